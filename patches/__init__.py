@@ -1,0 +1,22 @@
+"""Every SGLang hook of uniprefill-sglang, one module per upstream component.
+
+Each module has a `register()` that registers its hooks with SGLang's
+`HookRegistry`; each hook's docstring names the upstream function it changes and why.
+Nothing in SGLang's files is edited: `HookRegistry.apply_hooks()` (run by SGLang's plugin loader
+in the launcher, in `sglang.Engine` and in every scheduler process) swaps them in.
+"""
+
+from uniprefill_sglang.patches import (
+    attention_backends,
+    forward_batch,
+    logits,
+    model_runner,
+    server_args,
+)
+
+_MODULES = (server_args, forward_batch, model_runner, logits, attention_backends)
+
+
+def register_all() -> None:
+    for module in _MODULES:
+        module.register()

@@ -1,0 +1,27 @@
+"""Hook: `ForwardBatch.init_new` (AFTER).
+
+Why: the per-request decisions (UniPrefill on/off, p / keep ratio, chunking, fallbacks) depend
+on the scheduler's `Req` objects, which only `init_new` sees; the plan rides on the ForwardBatch
+to the model runner.
+"""
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+
+def _attach_plan(forward_batch, cls, batch, *args, **kwargs):
+    from uniprefill_sglang.request_plan import plan_batch
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    forward_batch.uniprefill_plan = None
+    if runtime is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_decode():
+        return forward_batch
+    forward_batch.uniprefill_plan = plan_batch(batch, runtime.config, runtime.has_schedule)
+    return forward_batch
+
+
+def register() -> None:
+    HookRegistry.register(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        _attach_plan, HookType.AFTER,
+    )

@@ -1,0 +1,46 @@
+"""Hook: `sglang.srt.layers.logits_processor.LogitsProcessor.forward` (AROUND).
+
+Why: after a drop the hidden states hold only the survivors, while the processor finds each
+request's last token from the ForwardBatch's original extend lengths. The last token always
+survives, so pointing it at the compacted lengths gives the same logits. The per-stage kept
+counts are returned through `customized_info`, which SGLang copies into `meta_info`.
+"""
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+META_KEY = "uniprefill"
+
+
+def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logits_metadata,
+                    *args, **kwargs):
+    from sglang.srt.layers.logits_processor import LogitsMetadata
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from uniprefill_sglang.context import current
+
+    ctx = current()
+    if ctx is None or not ctx.is_extend or ctx.plan is None:
+        return original(processor, input_ids, hidden_states, lm_head, logits_metadata,
+                        *args, **kwargs)
+    if ctx.compacted:
+        if isinstance(logits_metadata, ForwardBatch):
+            logits_metadata = LogitsMetadata.from_forward_batch(logits_metadata)
+        logits_metadata.extend_seq_lens = ctx.lens_tensor.to(logits_metadata.extend_seq_lens.dtype)
+    output = original(processor, input_ids, hidden_states, lm_head, logits_metadata,
+                      *args, **kwargs)
+    info = []
+    for b, decision in enumerate(ctx.plan.decisions):
+        info.append({
+            "enabled": decision.enabled,
+            "reason": decision.reason,
+            "kept_tokens": [stage_lens[b] for stage_lens in ctx.kept],
+        })
+    if output.customized_info is None:
+        output.customized_info = {}
+    output.customized_info[META_KEY] = info
+    return output
+
+
+def register() -> None:
+    HookRegistry.register("sglang.srt.layers.logits_processor.LogitsProcessor.forward",
+                          _logits_forward, HookType.AROUND)

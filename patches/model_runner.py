@@ -1,0 +1,66 @@
+"""Hooks on `sglang.srt.model_executor.model_runner.ModelRunner`.
+
+* `init_attention_backends` (AFTER): the model, KV pool and backends exist now (and no CUDA graph
+  has been captured yet): build the UniPrefill runtime and wrap the model's layers.
+* `_forward_raw` (AROUND): open the per-forward drop context around every forward, and keep
+  a batch that drops tokens off the prefill CUDA graph (its shapes change mid-forward).
+"""
+
+import logging
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+logger = logging.getLogger(__name__)
+
+
+def _install_runtime(result, model_runner, *args, **kwargs):
+    from uniprefill_sglang import model_integration
+    from uniprefill_sglang.config import validate_for_model
+    from uniprefill_sglang.kv_validity import LayerStages
+    from uniprefill_sglang.request_plan import log_fallback_once
+    from uniprefill_sglang.runtime import UniPrefillRuntime, set_runtime
+
+    server_args = model_runner.server_args
+    if not getattr(server_args, "enable_uniprefill", False) or model_runner.is_draft_worker:
+        return result
+    config = server_args.uniprefill_config()
+    hf_config = model_runner.model_config.hf_config
+    text_config = getattr(hf_config, "text_config", hf_config)
+    num_layers = text_config.num_hidden_layers
+    architectures = getattr(hf_config, "architectures", None) or []
+    drop_layers = validate_for_model(config, architectures, num_layers)
+    stages = LayerStages(drop_layers, num_layers)
+    tp_group = None
+    if model_runner.ps.tp_size > 1:
+        from sglang.srt.distributed import get_tp_group
+
+        tp_group = get_tp_group()
+    runtime = UniPrefillRuntime(config, stages, model_runner.req_to_token_pool,
+                                model_runner.token_to_kv_pool, model_runner.device, tp_group)
+    if drop_layers and not model_integration.install(model_runner.model, runtime):
+        log_fallback_once(f"model {type(model_runner.model).__name__} has no decoder-layer list")
+        runtime.stages = LayerStages((), num_layers)
+    if not runtime.has_schedule:
+        log_fallback_once(f"architecture {architectures} without a drop schedule")
+    logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
+    set_runtime(runtime)
+    return result
+
+
+def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs):
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    if runtime is None:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    ctx = runtime.begin_forward(forward_batch)
+    try:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    finally:
+        runtime.end_forward(ctx)
+
+
+def register() -> None:
+    target = "sglang.srt.model_executor.model_runner.ModelRunner"
+    HookRegistry.register(f"{target}.init_attention_backends", _install_runtime, HookType.AFTER)
+    HookRegistry.register(f"{target}._forward_raw", _forward_with_context, HookType.AROUND)

@@ -1,0 +1,1 @@
+"""Adapters that teach SGLang attention backends the per-stage (sparse) KV views."""

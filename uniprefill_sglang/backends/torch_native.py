@@ -1,0 +1,110 @@
+"""torch_native backend adapter: per-request SDPA over the KV a layer's stage holds.
+
+Requests whose KV is complete at this layer go through the backend's own per-request SDPA, so
+dense requests get bit-identical results whether or not a neighbour in the batch dropped.
+Requests with missing KV attend to their valid slots with an explicit causal mask on the
+original positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from uniprefill_sglang.context import current
+from uniprefill_sglang.runtime import get_runtime
+
+
+def _sparse_view_needed(ctx, runtime, layer) -> bool:
+    if ctx is None or runtime is None or ctx.sparse is None:
+        return False
+    if layer.is_cross_attention or runtime.stages.stage(layer.layer_id) == 0:
+        return ctx.compacted  # stage 0 holds every token; only compaction matters
+    return ctx.compacted or any(ctx.sparse)
+
+
+def _write_kv(backend, layer, loc, k, v, save_kv_cache):
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if save_kv_cache and k is not None and v is not None:
+        backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+
+
+def _masked_sdpa(q, k, v, mask, layer):
+    # q: [n, Hq, D], k/v: [m, Hkv, D], mask: [n, m] bool or None -> [n, Hq, Dv]
+    out = scaled_dot_product_attention(
+        q.movedim(0, 1).unsqueeze(0),
+        k.movedim(0, 1).unsqueeze(0).to(q.dtype),
+        v.movedim(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=mask,
+        scale=layer.scaling,
+        enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+    )
+    return out.squeeze(0).movedim(1, 0)
+
+
+def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+    ctx, runtime = current(), get_runtime()
+    if not (ctx is not None and ctx.is_extend and _sparse_view_needed(ctx, runtime, layer)):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
+    fb = forward_batch
+    stage = runtime.stages.stage(layer.layer_id)
+    _write_kv(backend, layer, ctx.out_cache_loc, k, v, save_kv_cache)
+    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    seq_lens = fb.seq_lens_cpu.tolist()
+    rows = fb.req_pool_indices.tolist()
+    for b, s in enumerate(ctx.segment_starts()):
+        n = ctx.lens[b]
+        if n == 0:
+            continue
+        if ctx.sparse[b] and stage > 0:
+            slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
+            qpos = ctx.positions[s : s + n]
+            mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+            o_[s : s + n] = _masked_sdpa(q_[s : s + n], k_cache[slots], v_cache[slots], mask, layer)
+        else:
+            backend._run_sdpa_forward_extend(
+                q_[s : s + n], o_[s : s + n], k_cache, v_cache, req_to_token,
+                fb.req_pool_indices[b : b + 1], fb.seq_lens[b : b + 1],
+                fb.extend_prefix_lens[b : b + 1], fb.extend_seq_lens[b : b + 1],
+                scaling=layer.scaling,
+                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+                causal=True,
+            )
+    return o
+
+
+def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+    ctx, runtime = current(), get_runtime()
+    if not (ctx is not None and not ctx.is_extend and _sparse_view_needed(ctx, runtime, layer)):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
+    fb = forward_batch
+    stage = runtime.stages.stage(layer.layer_id)
+    q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+    _write_kv(backend, layer, fb.out_cache_loc, k, v, save_kv_cache)
+    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+    k_cache = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    v_cache = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    seq_lens = fb.seq_lens_cpu.tolist()
+    rows = fb.req_pool_indices.tolist()
+    for b in range(len(rows)):
+        if ctx.sparse[b]:
+            slots, _ = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
+            o_[b : b + 1] = _masked_sdpa(q_[b : b + 1], k_cache[slots], v_cache[slots], None, layer)
+        else:
+            backend._run_sdpa_forward_decode(
+                q_[b : b + 1], o_[b : b + 1], k_cache, v_cache, req_to_token,
+                fb.req_pool_indices[b : b + 1], fb.seq_lens[b : b + 1],
+                scaling=layer.scaling,
+                enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+                causal=False,
+            )
+    return o

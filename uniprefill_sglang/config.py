@@ -1,0 +1,182 @@
+"""UniPrefill knobs: their defaults, the per-architecture drop schedule and start-up validation.
+
+Everything here is plain Python on purpose: the same checks run in the launcher (via the
+ServerArgs subclass), in `sglang.Engine` and again in each scheduler process once the model's
+depth is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+# Architectures whose decoder layer follows the Llama pattern the integration relies on
+# (`input_layernorm` -> `self_attn(positions, hidden_states, forward_batch)` ->
+# `post_attention_layernorm(hidden, residual)` -> `mlp`), every layer full attention.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
+)
+
+# Attention backends that know how to read per-stage (sparse) KV.
+SUPPORTED_ATTENTION_BACKENDS = ("torch_native",)
+
+# The paper's schedule for the 32-layer Llama-3.1-8B; other depths scale it proportionally.
+_REFERENCE_DEPTH = 32
+_REFERENCE_DROP_LAYERS = (7, 11, 15, 19, 23, 27)
+
+DEFAULT_TOP_P = 0.99
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_SINK_TOKENS = 128
+DEFAULT_LAST_QUERIES = 128
+
+
+class UniPrefillConfigError(ValueError):
+    """An invalid UniPrefill knob; the message names the flag and the valid range."""
+
+
+def default_drop_layers(num_layers: int) -> tuple[int, ...]:
+    """The reference schedule scaled to `num_layers` (7/32, 11/32, ... 27/32 of the depth)."""
+    layers = sorted(
+        {round(d * num_layers / _REFERENCE_DEPTH) for d in _REFERENCE_DROP_LAYERS}
+    )
+    return tuple(l for l in layers if 0 < l < num_layers - 1)
+
+
+def parse_drop_layers(value) -> Optional[tuple[int, ...]]:
+    """Accept None, "", "none", "7,11,15" or a sequence of ints."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "default", "auto"):
+            return None
+        if text == "none":
+            return ()
+        try:
+            return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+        except ValueError:
+            raise UniPrefillConfigError(
+                f"--uniprefill-drop-layers must be a comma-separated list of layer indices "
+                f"(e.g. 7,11,15) or 'none', got {value!r}"
+            ) from None
+    return tuple(int(x) for x in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniPrefillConfig:
+    top_p: float = DEFAULT_TOP_P
+    keep_ratio: Optional[float] = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    last_queries: int = DEFAULT_LAST_QUERIES
+    # None: the per-architecture default, resolved once the depth is known.
+    drop_layers: Optional[tuple[int, ...]] = None
+    min_prompt_tokens: int = 0
+
+    @property
+    def min_tokens_to_drop(self) -> int:
+        """Below this many new tokens a step runs dense (the method needs sinks + last window)."""
+        return max(self.min_prompt_tokens, self.sink_tokens + self.last_queries)
+
+    def resolved_drop_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.drop_layers is None:
+            return default_drop_layers(num_layers)
+        return self.drop_layers
+
+
+def build_config(
+    *,
+    top_p: Optional[float],
+    keep_ratio: Optional[float],
+    block_size: int,
+    sink_tokens: int,
+    last_queries: int,
+    drop_layers,
+    min_prompt_tokens: int,
+) -> UniPrefillConfig:
+    """Validate the raw flag values and build the config. Raises UniPrefillConfigError."""
+    if top_p is not None and keep_ratio is not None:
+        raise UniPrefillConfigError(
+            "--uniprefill-top-p and --uniprefill-keep-ratio are mutually exclusive: "
+            "set at most one (top-p selects by attention mass, keep-ratio by a fixed budget)"
+        )
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise UniPrefillConfigError(f"--uniprefill-top-p must be in (0, 1], got {top_p}")
+    if keep_ratio is not None and not (0.0 < keep_ratio <= 1.0):
+        raise UniPrefillConfigError(
+            f"--uniprefill-keep-ratio must be in (0, 1], got {keep_ratio}"
+        )
+    if block_size < 1 or block_size & (block_size - 1):
+        raise UniPrefillConfigError(
+            f"--uniprefill-block-size must be a power of two >= 1, got {block_size}"
+        )
+    if sink_tokens < 0:
+        raise UniPrefillConfigError(
+            f"--uniprefill-sink-tokens must be >= 0, got {sink_tokens}"
+        )
+    if last_queries < 1:
+        raise UniPrefillConfigError(
+            f"--uniprefill-last-queries must be >= 1, got {last_queries}"
+        )
+    if min_prompt_tokens < 0:
+        raise UniPrefillConfigError(
+            f"--uniprefill-min-prompt-tokens must be >= 0, got {min_prompt_tokens}"
+        )
+    layers = parse_drop_layers(drop_layers)
+    if layers is not None:
+        if any(l < 0 for l in layers):
+            raise UniPrefillConfigError(
+                f"--uniprefill-drop-layers must be non-negative layer indices, got {list(layers)}"
+            )
+        if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+            raise UniPrefillConfigError(
+                f"--uniprefill-drop-layers must be strictly increasing, got {list(layers)}"
+            )
+    return UniPrefillConfig(
+        top_p=DEFAULT_TOP_P if top_p is None else float(top_p),
+        keep_ratio=None if keep_ratio is None else float(keep_ratio),
+        block_size=int(block_size),
+        sink_tokens=int(sink_tokens),
+        last_queries=int(last_queries),
+        drop_layers=layers,
+        min_prompt_tokens=int(min_prompt_tokens),
+    )
+
+
+def validate_for_model(
+    config: UniPrefillConfig,
+    architectures: Sequence[str],
+    num_layers: int,
+    full_attention_layers: Optional[Sequence[int]] = None,
+) -> tuple[int, ...]:
+    """Check the drop layers against the model; return the resolved schedule.
+
+    An architecture without an integration gets an empty schedule (dense, logged by the caller)
+    unless the user asked for explicit drop layers, which is an error.
+    """
+    supported = any(a in SUPPORTED_ARCHITECTURES for a in architectures)
+    if not supported:
+        if config.drop_layers:
+            raise UniPrefillConfigError(
+                f"--uniprefill-drop-layers was given but architecture {list(architectures)} "
+                f"has no UniPrefill integration (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
+            )
+        return ()
+    layers = config.resolved_drop_layers(num_layers)
+    for l in layers:
+        if not (0 <= l < num_layers):
+            raise UniPrefillConfigError(
+                f"--uniprefill-drop-layers: layer {l} is out of range; the model has "
+                f"{num_layers} layers (valid: 0..{num_layers - 1})"
+            )
+        if full_attention_layers is not None and l not in full_attention_layers:
+            raise UniPrefillConfigError(
+                f"--uniprefill-drop-layers: layer {l} is not a full-attention layer "
+                f"(full-attention layers: {list(full_attention_layers)})"
+            )
+    return layers

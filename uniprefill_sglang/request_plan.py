@@ -1,0 +1,114 @@
+"""Per-request UniPrefill decisions for one forward batch, and the dense-fallback log.
+
+Built on the scheduler side from the batch's `Req` objects (they carry the sampling params and
+the chunking state) and attached to the ForwardBatch; the model side only reads it.
+
+Per-request overrides travel in `sampling_params["custom_params"]` (OpenAI API: `extra_body=
+{"custom_params": {...}}`): `uniprefill` (bool), `uniprefill_top_p`, `uniprefill_keep_ratio`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import List, Optional
+
+from uniprefill_sglang.config import UniPrefillConfig
+
+logger = logging.getLogger(__name__)
+
+_logged_reasons: set = set()
+
+
+def log_fallback_once(reason: str) -> None:
+    """Log each kind of dense fallback once per process."""
+    if reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        logger.info("UniPrefill: running dense (%s); logged once per kind", reason)
+
+
+@dataclasses.dataclass
+class RequestDecision:
+    enabled: bool
+    top_p: float
+    keep_ratio: float  # <= 0: use top-p
+    reason: Optional[str] = None  # why the request runs dense this step
+
+
+@dataclasses.dataclass
+class BatchPlan:
+    decisions: List[RequestDecision]
+
+    @property
+    def any_enabled(self) -> bool:
+        return any(d.enabled for d in self.decisions)
+
+
+def _custom_params(req) -> dict:
+    sp = getattr(req, "sampling_params", None)
+    params = getattr(sp, "custom_params", None) if sp is not None else None
+    return params if isinstance(params, dict) else {}
+
+
+def _float_param(params: dict, key: str, default: Optional[float]) -> Optional[float]:
+    value = params.get(key)
+    if value is None:
+        return default
+    value = float(value)
+    if not (0.0 < value <= 1.0):
+        raise ValueError(f"custom_params[{key!r}] must be in (0, 1], got {value}")
+    return value
+
+
+def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
+           batch_reason: Optional[str]) -> RequestDecision:
+    params = _custom_params(req)
+    top_p, keep_ratio = config.top_p, config.keep_ratio
+
+    def dense(reason: str) -> RequestDecision:
+        return RequestDecision(False, top_p, keep_ratio or 0.0, reason)
+
+    try:
+        top_p = _float_param(params, "uniprefill_top_p", top_p)
+        keep_ratio = _float_param(params, "uniprefill_keep_ratio", keep_ratio)
+        if params.get("uniprefill_top_p") is not None and params.get("uniprefill_keep_ratio") is None:
+            keep_ratio = None  # an explicit per-request top-p wins over a server keep ratio
+    except (TypeError, ValueError) as e:
+        return dense(f"invalid per-request parameter: {e}")
+    if params.get("uniprefill") is False:
+        return dense("disabled by the request")
+    if not has_schedule:
+        return dense("architecture without a drop schedule")
+    if batch_reason is not None:
+        return dense(batch_reason)
+    if getattr(req, "multimodal_inputs", None) is not None:
+        return dense("multimodal input")
+    fill = getattr(req, "full_untruncated_fill_ids", None)
+    rng = getattr(req, "extend_range", None)
+    if fill is not None and rng is not None and rng.end < len(fill):
+        # Earlier chunks cannot see the prompt's last queries; they keep full KV.
+        return dense("non-final chunk of a chunked prefill")
+    if extend_len < config.min_tokens_to_drop:
+        return dense("prompt under the minimum length")
+    return RequestDecision(True, top_p, keep_ratio or 0.0, None)
+
+
+def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan:
+    """Decisions for every request of an extend/mixed ScheduleBatch, in batch order."""
+    reqs = batch.reqs
+    extend_lens = list(batch.extend_lens or [])
+    decoding = set(id(r) for r in (getattr(batch, "decoding_reqs", None) or []))
+    batch_reason = None
+    if getattr(batch, "return_logprob", False):
+        # Input logprobs need every position's hidden state, for the whole batch.
+        batch_reason = "logprobs requested in the batch"
+    decisions = []
+    for i, req in enumerate(reqs):
+        if id(req) in decoding or i >= len(extend_lens):
+            decisions.append(RequestDecision(False, config.top_p, 0.0, "decode"))
+            continue
+        d = decide(req, extend_lens[i], config, has_schedule, batch_reason)
+        if d.reason is not None:
+            log_fallback_once(d.reason)
+        decisions.append(d)
+    return BatchPlan(decisions)

@@ -1,0 +1,118 @@
+"""`ServerArgs` with the UniPrefill flags.
+
+SGLang derives its CLI (`python -m sglang.launch_server --help`) and `sglang.Engine(**kwargs)`
+from the dataclass fields of `ServerArgs`, so adding annotated fields in a subclass, and putting
+the subclass in place of `sglang.srt.server_args.ServerArgs` (patches/server_args.py), is all it
+takes for both entry points to accept them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from sglang.srt.arg_groups.arg_utils import A, Arg
+from sglang.srt.server_args import ServerArgs
+
+from uniprefill_sglang.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LAST_QUERIES,
+    DEFAULT_SINK_TOKENS,
+    SUPPORTED_ATTENTION_BACKENDS,
+    UniPrefillConfig,
+    UniPrefillConfigError,
+    build_config,
+    validate_for_model,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class UniPrefillServerArgs(ServerArgs):
+    enable_uniprefill: A[
+        bool,
+        Arg(
+            help="UniPrefill: drop low-attention prompt tokens at chosen layers during prefill.",
+            action="store_true",
+        ),
+    ] = False
+    uniprefill_top_p: A[
+        Optional[float],
+        Arg(help="UniPrefill: attention mass of blocks to keep at each drop, in (0, 1] (default 0.99)."),
+    ] = None
+    uniprefill_keep_ratio: A[
+        Optional[float],
+        Arg(help="UniPrefill: keep this fraction of blocks at each drop instead of top-p, in (0, 1]."),
+    ] = None
+    uniprefill_block_size: A[
+        int, Arg(help="UniPrefill: tokens per scored block (a power of two).")
+    ] = DEFAULT_BLOCK_SIZE
+    uniprefill_sink_tokens: A[
+        int, Arg(help="UniPrefill: the first N prompt tokens are always kept.")
+    ] = DEFAULT_SINK_TOKENS
+    uniprefill_last_queries: A[
+        int,
+        Arg(help="UniPrefill: score with the attention of the last N queries; they are always kept."),
+    ] = DEFAULT_LAST_QUERIES
+    uniprefill_drop_layers: A[
+        Optional[str],
+        Arg(help="UniPrefill: comma-separated drop layers, 'none', or unset for the per-architecture default."),
+    ] = None
+    uniprefill_min_prompt_tokens: A[
+        int, Arg(help="UniPrefill: prefill steps with fewer new tokens run dense.")
+    ] = 0
+
+    def __post_init__(self):
+        if self.enable_uniprefill:
+            # Fail before SGLang's (long) resolution pass.
+            self.uniprefill_config()
+            if self.device == "cpu" and self.attention_backend is None:
+                # SGLang picks intel_amx on x86 CPUs; the CPU path of UniPrefill is torch_native.
+                self.attention_backend = "torch_native"
+        super().__post_init__()
+        if self.enable_uniprefill:
+            self._check_uniprefill_backend()
+            self._check_uniprefill_model()
+
+    def uniprefill_config(self) -> UniPrefillConfig:
+        return build_config(
+            top_p=self.uniprefill_top_p,
+            keep_ratio=self.uniprefill_keep_ratio,
+            block_size=self.uniprefill_block_size,
+            sink_tokens=self.uniprefill_sink_tokens,
+            last_queries=self.uniprefill_last_queries,
+            drop_layers=self.uniprefill_drop_layers,
+            min_prompt_tokens=self.uniprefill_min_prompt_tokens,
+        )
+
+    def _check_uniprefill_backend(self):
+        for flag, value in (
+            ("--attention-backend", self.attention_backend),
+            ("--prefill-attention-backend", self.prefill_attention_backend),
+            ("--decode-attention-backend", self.decode_attention_backend),
+        ):
+            if value is not None and value not in SUPPORTED_ATTENTION_BACKENDS:
+                raise UniPrefillConfigError(
+                    f"--enable-uniprefill does not support {flag} {value}; "
+                    f"supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)}"
+                )
+
+    def _check_uniprefill_model(self):
+        """Check the drop layers against the model's depth, when its config can be read."""
+        try:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code
+            )
+        except Exception as e:  # the model runner checks again once the model is built
+            logger.info("UniPrefill: model config not readable at start-up (%s)", e)
+            return
+        text_config = getattr(hf_config, "text_config", hf_config)
+        validate_for_model(
+            self.uniprefill_config(),
+            getattr(hf_config, "architectures", None) or [],
+            text_config.num_hidden_layers,
+        )
