@@ -11,10 +11,11 @@ from uniprefill_sglang.patches import (
     forward_batch,
     logits,
     model_runner,
+    scheduler,
     server_args,
 )
 
-_MODULES = (server_args, forward_batch, model_runner, logits, attention_backends)
+_MODULES = (server_args, forward_batch, model_runner, logits, attention_backends, scheduler)
 
 
 def register_all() -> None:

@@ -9,12 +9,12 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 
 def _attach_plan(forward_batch, cls, batch, *args, **kwargs):
-    from uniprefill_sglang.request_plan import plan_batch
+    from uniprefill_sglang.request_plan import is_prefill_mode, plan_batch
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
     forward_batch.uniprefill_plan = None
-    if runtime is None or not batch.forward_mode.is_extend() or batch.forward_mode.is_decode():
+    if runtime is None or not is_prefill_mode(batch.forward_mode):
         return forward_batch
     forward_batch.uniprefill_plan = plan_batch(batch, runtime.config, runtime.has_schedule)
     return forward_batch

@@ -44,6 +44,13 @@ class BatchPlan:
         return any(d.enabled for d in self.decisions)
 
 
+def is_prefill_mode(mode) -> bool:
+    """Plain prefill (EXTEND) or prefill mixed with 1-token decodes (MIXED); not spec-verify etc."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return mode == ForwardMode.EXTEND or mode == ForwardMode.MIXED
+
+
 def _custom_params(req) -> dict:
     sp = getattr(req, "sampling_params", None)
     params = getattr(sp, "custom_params", None) if sp is not None else None

@@ -17,6 +17,7 @@ from uniprefill_sglang import kernels
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, set_current
 from uniprefill_sglang.kv_validity import LayerStages, SlotStages
+from uniprefill_sglang.request_plan import is_prefill_mode
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class UniPrefillRuntime:
         mode = fb.forward_mode
         self.slots.mark_written(fb.out_cache_loc)
         plan = getattr(fb, "uniprefill_plan", None)
-        is_extend = mode.is_extend() and fb.extend_seq_lens_cpu is not None
+        is_extend = is_prefill_mode(mode) and fb.extend_seq_lens_cpu is not None
         ctx = DropContext(plan=plan, forward_batch=fb, is_extend=is_extend)
         if is_extend:
             ctx.positions = fb.positions

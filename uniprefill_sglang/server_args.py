@@ -88,6 +88,11 @@ class UniPrefillServerArgs(ServerArgs):
         )
 
     def _check_uniprefill_backend(self):
+        if self.speculative_algorithm is not None:
+            raise UniPrefillConfigError(
+                "--enable-uniprefill cannot be combined with --speculative-algorithm "
+                f"{self.speculative_algorithm}: draft verification does not read per-stage KV"
+            )
         for flag, value in (
             ("--attention-backend", self.attention_backend),
             ("--prefill-attention-backend", self.prefill_attention_backend),

@@ -1,0 +1,114 @@
+"""The UniPrefill flags on stock SGLang entry points, and their start-up validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from uniprefill_sglang.config import (
+    UniPrefillConfigError,
+    build_config,
+    default_drop_layers,
+    validate_for_model,
+)
+
+DEFAULTS = dict(top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
+                drop_layers=None, min_prompt_tokens=0)
+
+
+def test_default_schedule_matches_the_paper_for_llama_31_8b_and_scales():
+    assert default_drop_layers(32) == (7, 11, 15, 19, 23, 27)
+    assert default_drop_layers(30) == (7, 10, 14, 18, 22, 25)
+    assert default_drop_layers(64) == (14, 22, 30, 38, 46, 54)
+    for depth in (4, 12, 24, 48, 80):
+        layers = default_drop_layers(depth)
+        assert all(0 < l < depth - 1 for l in layers)
+        assert list(layers) == sorted(set(layers))
+
+
+@pytest.mark.parametrize(
+    "override, flag",
+    [
+        (dict(top_p=0.0), "--uniprefill-top-p"),
+        (dict(top_p=1.5), "--uniprefill-top-p"),
+        (dict(keep_ratio=0.0), "--uniprefill-keep-ratio"),
+        (dict(keep_ratio=1.2), "--uniprefill-keep-ratio"),
+        (dict(top_p=0.9, keep_ratio=0.5), "mutually exclusive"),
+        (dict(block_size=48), "--uniprefill-block-size"),
+        (dict(block_size=0), "--uniprefill-block-size"),
+        (dict(sink_tokens=-1), "--uniprefill-sink-tokens"),
+        (dict(last_queries=0), "--uniprefill-last-queries"),
+        (dict(min_prompt_tokens=-5), "--uniprefill-min-prompt-tokens"),
+        (dict(drop_layers="7,x"), "--uniprefill-drop-layers"),
+        (dict(drop_layers="11,7"), "--uniprefill-drop-layers"),
+        (dict(drop_layers="-1"), "--uniprefill-drop-layers"),
+    ],
+)
+def test_invalid_knobs_name_the_flag(override, flag):
+    with pytest.raises(UniPrefillConfigError, match=flag):
+        build_config(**{**DEFAULTS, **override})
+
+
+def test_drop_layers_checked_against_the_model():
+    cfg = build_config(**{**DEFAULTS, "drop_layers": "7,40"})
+    with pytest.raises(UniPrefillConfigError, match="out of range.*0..29"):
+        validate_for_model(cfg, ["LlamaForCausalLM"], 30)
+    cfg = build_config(**{**DEFAULTS, "drop_layers": "5,11"})
+    with pytest.raises(UniPrefillConfigError, match="not a full-attention layer"):
+        validate_for_model(cfg, ["LlamaForCausalLM"], 30, full_attention_layers=[5, 17, 23])
+    # An architecture without an integration runs dense unless layers were forced.
+    default = build_config(**DEFAULTS)
+    assert validate_for_model(default, ["Gemma3ForCausalLM"], 18) == ()
+    with pytest.raises(UniPrefillConfigError, match="no UniPrefill integration"):
+        validate_for_model(cfg, ["Gemma3ForCausalLM"], 18)
+    assert validate_for_model(default, ["Qwen3ForCausalLM"], 28) == default_drop_layers(28)
+    none = build_config(**{**DEFAULTS, "drop_layers": "none"})
+    assert validate_for_model(none, ["LlamaForCausalLM"], 30) == ()
+
+
+def _prepare(argv):
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # what `python -m sglang.launch_server` does first
+    from sglang.srt import server_args as sa
+
+    return sa.prepare_server_args(argv)
+
+
+def test_cli_accepts_the_flags(smollm2_path):
+    args = _prepare([
+        "--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
+        "--uniprefill-keep-ratio", "0.5", "--uniprefill-drop-layers", "3,9",
+        "--uniprefill-block-size", "32", "--uniprefill-min-prompt-tokens", "1024",
+    ])
+    assert args.enable_uniprefill and args.uniprefill_keep_ratio == 0.5
+    assert args.attention_backend == "torch_native"  # chosen for the CPU path
+    cfg = args.uniprefill_config()
+    assert cfg.drop_layers == (3, 9) and cfg.block_size == 32 and cfg.min_tokens_to_drop == 1024
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--uniprefill-top-p", "1.5"], "--uniprefill-top-p must be in \\(0, 1\\]"),
+        (["--uniprefill-drop-layers", "7,40"], "layer 40 is out of range"),
+        (["--attention-backend", "intel_amx"], "does not support --attention-backend intel_amx"),
+    ],
+)
+def test_cli_refuses_invalid_flags(smollm2_path, extra, message):
+    with pytest.raises(UniPrefillConfigError, match=message):
+        _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill", *extra])
+
+
+def test_launch_server_refuses_a_bad_flag_at_start_up(smollm2_path, cpu_env):
+    """The real `python -m sglang.launch_server` exits before loading anything."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", smollm2_path,
+         "--device", "cpu", "--enable-uniprefill", "--uniprefill-block-size", "48"],
+        env={**os.environ, **cpu_env}, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "--uniprefill-block-size must be a power of two" in proc.stderr + proc.stdout
