@@ -1,8 +1,9 @@
-"""Hook: `sglang.srt.managers.scheduler.Scheduler.get_internal_state` (AFTER).
+"""Hooks on `sglang.srt.managers.scheduler.Scheduler`.
 
-Why: observability. `Engine.get_server_info()["internal_states"][0]["uniprefill"]` reports the
-KV pool's accounting (free, evictable and protected slots, the request pool) and how many slots
-currently hold sparse KV, so a test or an operator can check that dropping leaks no KV slot.
+* `get_internal_state` (AFTER): observability. `Engine.get_server_info()["internal_states"][0]
+  ["uniprefill"]` reports the KV pool's accounting (free, evictable and protected slots, the
+  request pool), so a test or an operator can check that dropping leaks no KV slot.
+* `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -12,10 +13,11 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
-    if runtime is None or not isinstance(result, dict):
+    state = getattr(result, "internal_state", None)
+    if runtime is None or not isinstance(state, dict):
         return result
     tree = scheduler.tree_cache
-    result["uniprefill"] = {
+    state["uniprefill"] = {
         "max_total_num_tokens": int(scheduler.max_total_num_tokens),
         "available_kv_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
         "evictable_kv_tokens": int(tree.evictable_size()),
@@ -24,10 +26,28 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "req_slots": int(scheduler.req_to_token_pool.size),
         "drop_layers": list(runtime.stages.drop_layers),
         "idle": bool(scheduler.is_fully_idle()),
+        "parked_requests": len(runtime.parked),
     }
+    return result
+
+
+def _forget_aborted_chunk(original, scheduler, *args, **kwargs):
+    """Hook: `Scheduler.process_pending_chunked_abort` (AROUND).
+
+    Why: an aborted chunked request never reaches its final chunk; free its parked hidden state.
+    """
+    from uniprefill_sglang.runtime import get_runtime
+
+    req = getattr(scheduler, "_pending_chunked_abort_req", None)
+    result = original(scheduler, *args, **kwargs)
+    runtime = get_runtime()
+    if req is not None and runtime is not None and scheduler.chunked_req is not req:
+        runtime.forget(req.rid)
     return result
 
 
 def register() -> None:
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
                           _add_pool_state, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
+                          _forget_aborted_chunk, HookType.AROUND)

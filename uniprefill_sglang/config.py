@@ -33,6 +33,9 @@ DEFAULT_TOP_P = 0.99
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SINK_TOKENS = 128
 DEFAULT_LAST_QUERIES = 128
+# Hidden state parked between the chunks of a chunked prefill (see runtime.py): 2 vectors of
+# hidden_size per token (Llama-3.1-8B, bf16: 16 KiB/token, 2 GiB at 128K tokens).
+DEFAULT_MAX_PARKED_TOKENS = 131072
 
 
 class UniPrefillConfigError(ValueError):
@@ -77,6 +80,7 @@ class UniPrefillConfig:
     # None: the per-architecture default, resolved once the depth is known.
     drop_layers: Optional[tuple[int, ...]] = None
     min_prompt_tokens: int = 0
+    max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS
 
     @property
     def min_tokens_to_drop(self) -> int:
@@ -98,6 +102,7 @@ def build_config(
     last_queries: int,
     drop_layers,
     min_prompt_tokens: int,
+    max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError."""
     if top_p is not None and keep_ratio is not None:
@@ -127,6 +132,10 @@ def build_config(
         raise UniPrefillConfigError(
             f"--uniprefill-min-prompt-tokens must be >= 0, got {min_prompt_tokens}"
         )
+    if max_parked_tokens < 0:
+        raise UniPrefillConfigError(
+            f"--uniprefill-max-parked-tokens must be >= 0 (0 disables parking), got {max_parked_tokens}"
+        )
     layers = parse_drop_layers(drop_layers)
     if layers is not None:
         if any(l < 0 for l in layers):
@@ -145,6 +154,7 @@ def build_config(
         last_queries=int(last_queries),
         drop_layers=layers,
         min_prompt_tokens=int(min_prompt_tokens),
+        max_parked_tokens=int(max_parked_tokens),
     )
 
 

@@ -26,14 +26,25 @@ class DropContext:
     positions: Optional[torch.Tensor] = None
     out_cache_loc: Optional[torch.Tensor] = None
     lens: Optional[List[int]] = None
+    # Per request: tokens before its first current row (a cached prefix), never dropped here.
+    fixed_lens: Optional[List[int]] = None
     # Per request: does it hold KV missing in some layer (sparse prefix or a drop this step)?
     sparse: Optional[List[bool]] = None
     # Rows the hidden states must be gathered to, and the row count they have before it.
     pending_rows: Optional[torch.Tensor] = None
     rows_before_pending: int = 0
     compacted: bool = False
-    # kept[k][b]: rows of request b entering stage k (kept[0] = the step's new tokens).
+    # kept[k][b]: rows of request b entering stage k (kept[0] = the tokens scored at the first
+    # drop: the step's new tokens plus any parked by earlier chunks).
     kept: List[List[int]] = dataclasses.field(default_factory=list)
+    # Chunked prefill (runtime.py): rows parked from earlier chunks joining at the first drop
+    # (gathered after the current rows), and rows of this step to park.
+    extra_hidden: Optional[torch.Tensor] = None
+    extra_residual: Optional[torch.Tensor] = None
+    to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
+    park_sink: Optional[object] = None  # callable(rid, hidden_rows, residual_rows)
+    ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    finished_parking: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def lens_tensor(self) -> torch.Tensor:
@@ -46,18 +57,24 @@ class DropContext:
             acc += n
         return starts
 
-    def apply_pending(self, *tensors):
-        """Gather rows of tensors that still have the pre-drop row count; others pass through."""
+    def apply_pending(self, hidden_states, residual):
+        """Gather hidden states and residual to the surviving rows, if not done yet.
+
+        Right after a drop layer's attention (the post-attention norm hook) this also parks the
+        rows of non-final chunks and splices in the rows parked by earlier chunks.
+        """
         rows = self.pending_rows
-        if rows is None:
-            return tensors
-        out = tuple(
-            t.index_select(0, rows)
-            if t is not None and t.shape[0] == self.rows_before_pending
-            else t
-            for t in tensors
-        )
-        return out
+        if rows is None or hidden_states.shape[0] != self.rows_before_pending:
+            return hidden_states, residual
+        for rid, park_rows in self.to_park:
+            self.park_sink(rid, hidden_states.index_select(0, park_rows),
+                           residual.index_select(0, park_rows))
+        self.to_park = []
+        if self.extra_hidden is not None:
+            hidden_states = torch.cat([hidden_states, self.extra_hidden])
+            residual = torch.cat([residual, self.extra_residual])
+            self.extra_hidden = self.extra_residual = None
+        return hidden_states.index_select(0, rows), residual.index_select(0, rows)
 
     def finish_pending(self) -> None:
         self.pending_rows = None

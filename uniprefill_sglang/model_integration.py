@@ -48,7 +48,8 @@ def _wrap_layer_entry(layer: nn.Module) -> None:
     def forward(positions, hidden_states, forward_batch, residual=None, *args, **kwargs):
         ctx = current()
         if ctx is not None and ctx.compacted:
-            hidden_states, residual = ctx.apply_pending(hidden_states, residual)
+            if residual is not None:
+                hidden_states, residual = ctx.apply_pending(hidden_states, residual)
             ctx.finish_pending()
             positions = ctx.positions
         return original(positions, hidden_states, forward_batch, residual, *args, **kwargs)
@@ -100,6 +101,9 @@ def install(model: nn.Module, runtime) -> bool:
             norm = getattr(layer, "post_attention_layernorm", None)
             if norm is not None:
                 _wrap_post_attention_norm(norm)
+                if attn.layer_id == runtime.stages.drop_layers[0]:
+                    # Parking needs the state right after the drop layer's attention.
+                    runtime.can_park = True
     logger.info("UniPrefill: drop layers %s installed on %d decoder layers",
                 sorted(drop_layers), len(layers))
     return True

@@ -33,6 +33,11 @@ class RequestDecision:
     top_p: float
     keep_ratio: float  # <= 0: use top-p
     reason: Optional[str] = None  # why the request runs dense this step
+    # A non-final chunk whose rows stop at the first drop layer and wait there for the final
+    # chunk (runtime.py decides whether the parked state fits).
+    park: bool = False
+    rid: Optional[str] = None
+    prompt_len: int = 0  # tokens of the whole prompt (all chunks)
 
 
 @dataclasses.dataclass
@@ -41,7 +46,8 @@ class BatchPlan:
 
     @property
     def any_enabled(self) -> bool:
-        return any(d.enabled for d in self.decisions)
+        """Does any request drop or park rows at the drop layers?"""
+        return any(d.enabled or d.park for d in self.decisions)
 
 
 def is_prefill_mode(mode) -> bool:
@@ -92,12 +98,21 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
         return dense("multimodal input")
     fill = getattr(req, "full_untruncated_fill_ids", None)
     rng = getattr(req, "extend_range", None)
+    prompt_len = len(fill) if fill is not None else extend_len
     if fill is not None and rng is not None and rng.end < len(fill):
-        # Earlier chunks cannot see the prompt's last queries; they keep full KV.
-        return dense("non-final chunk of a chunked prefill")
-    if extend_len < config.min_tokens_to_drop:
+        # Earlier chunks cannot see the prompt's last queries: they stop at the first drop
+        # layer and the final chunk scores their tokens together with its own.
+        if prompt_len < config.min_tokens_to_drop:
+            return dense("prompt under the minimum length")
+        return RequestDecision(False, top_p, keep_ratio or 0.0,
+                               "non-final chunk, parked at the first drop layer",
+                               park=True, rid=req.rid, prompt_len=prompt_len)
+    # A final chunk counts the earlier chunks' tokens too.
+    tokens = rng.end if rng is not None and rng.start > 0 else extend_len
+    if tokens < config.min_tokens_to_drop:
         return dense("prompt under the minimum length")
-    return RequestDecision(True, top_p, keep_ratio or 0.0, None)
+    return RequestDecision(True, top_p, keep_ratio or 0.0, None,
+                           rid=getattr(req, "rid", None), prompt_len=prompt_len)
 
 
 def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan:
@@ -115,7 +130,7 @@ def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan
             decisions.append(RequestDecision(False, config.top_p, 0.0, "decode"))
             continue
         d = decide(req, extend_lens[i], config, has_schedule, batch_reason)
-        if d.reason is not None:
+        if d.reason is not None and not d.park:
             log_fallback_once(d.reason)
         decisions.append(d)
     return BatchPlan(decisions)

@@ -17,7 +17,7 @@ from uniprefill_sglang import kernels
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, set_current
 from uniprefill_sglang.kv_validity import LayerStages, SlotStages
-from uniprefill_sglang.request_plan import is_prefill_mode
+from uniprefill_sglang.request_plan import is_prefill_mode, log_fallback_once
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,10 @@ class UniPrefillRuntime:
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, req_to_token_pool.req_to_token.shape[0],
                                 stages.num_drops, device)
+        # Chunked prefill: rid -> ParkedRows; rids whose prompt exceeds the parking budget.
+        self.parked: dict = {}
+        self.refused_parking: set = set()
+        self.can_park = False  # set once the model integration can park at the first drop
 
     @property
     def has_schedule(self) -> bool:
@@ -61,6 +65,7 @@ class UniPrefillRuntime:
             ctx.positions = fb.positions
             ctx.out_cache_loc = fb.out_cache_loc
             ctx.lens = list(fb.extend_seq_lens_cpu)
+            ctx.fixed_lens = list(fb.extend_prefix_lens_cpu or [0] * len(ctx.lens))
             ctx.kept.append(list(ctx.lens))
             ctx.sparse = self._prefix_sparsity(fb)
         elif mode.is_decode() and self.has_schedule:
@@ -71,6 +76,10 @@ class UniPrefillRuntime:
     def end_forward(self, ctx: DropContext) -> None:
         set_current(None)
         fb = ctx.forward_batch
+        for slots in ctx.ghost_slots:  # computed past the first drop on a partial view
+            self.slots.mark_dropped(slots, 0)
+        for rid in ctx.finished_parking:
+            self.forget(rid)
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             flags = torch.tensor(ctx.sparse, dtype=torch.bool, device=fb.req_pool_indices.device)
             self.slots.req_sparse[fb.req_pool_indices] = flags
@@ -88,86 +97,222 @@ class UniPrefillRuntime:
                 sparse[b] = bool(self.slots.count_sparse(req_to_token[row, :plen]).item())
         return sparse
 
+    # ---- chunked prefill: parked rows ---------------------------------------------------
+    def _park(self, rid: str, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        self.parked[rid].append(hidden, residual)
+
+    def forget(self, rid: str) -> None:
+        """Drop a request's parked state (finished, aborted)."""
+        self.parked.pop(rid, None)
+        self.refused_parking.discard(rid)
+
+    def _may_park(self, decision, prefix_len: int) -> bool:
+        rid = decision.rid
+        if rid in self.parked:
+            return True
+        if rid in self.refused_parking or not self.can_park:
+            return False
+        # First chunk of this request: does the rest of the prompt fit the parking budget?
+        if decision.prompt_len - prefix_len > self.config.max_parked_tokens:
+            self.refused_parking.add(rid)
+            log_fallback_once("prompt longer than --uniprefill-max-parked-tokens: earlier "
+                              "chunks run dense, the final chunk drops among its own tokens")
+            return False
+        # Only one chunked request is in flight in SGLang's scheduler; anything else parked is
+        # left over from an abort that bypassed the hook.
+        for stale in [r for r in self.parked if r != rid]:
+            self.forget(stale)
+        self.parked[rid] = ParkedRows(start_pos=prefix_len)
+        return True
+
     # ---- the drop ----------------------------------------------------------------------
     def drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
-        """At a drop layer, after its attention: keep the top blocks of each enabled request."""
+        """At a drop layer, after its attention: keep the top blocks of each enabled request.
+
+        At the first drop layer this also parks non-final chunks (all their rows stop here but
+        the last, which carries the logits SGLang expects) and, for a final chunk, brings the
+        parked rows back as candidates scored by the prompt's true last queries.
+        """
         stage = self.stages.stage(layer.layer_id)
+        first_drop = stage == 0
         cfg = self.config
         fb = ctx.forward_batch
-        enabled = [
-            b for b, d in enumerate(ctx.plan.decisions)
-            if d.enabled and ctx.lens[b] >= cfg.min_tokens_to_drop
-        ]
-        if not enabled:
-            ctx.kept.append(list(ctx.lens))
-            return
         device = q.device
+        decisions = ctx.plan.decisions
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
         starts = ctx.segment_starts()
         req_rows = fb.req_pool_indices.tolist()
-        prefix_lens = fb.extend_prefix_lens_cpu
+        prefix_lens = ctx.fixed_lens
         req_to_token = self.req_to_token_pool.req_to_token
+        total = ctx.positions.shape[0]
+        empty = torch.empty(0, dtype=torch.int64, device=device)
 
-        q_rows, k_slots, k_pos, cand_rows = [], [], [], []
-        q_indptr, k_indptr, cand_start = [0], [0], []
-        for b in enabled:
+        # Sources of rows after this drop: current rows [0, total), then parked rows joining.
+        extra_pos, extra_slots, extra_hidden, extra_residual, extra_seg = [], [], [], [], []
+        n_extra = 0
+        q_parts, qpos_parts, k_slots, k_pos, cand_src = [], [], [], [], []
+        q_indptr, k_indptr, cand_start, scored = [0], [0], [], []
+        park_rows = []
+        for b, d in enumerate(decisions):
             s, n = starts[b], ctx.lens[b]
             seg = torch.arange(s, s + n, device=device)
-            nq = min(cfg.last_queries, n)
-            q_rows.append(seg[n - nq:])
-            plen = prefix_lens[b] if prefix_lens is not None else 0
-            if plen > 0:
-                pslots, ppos = self.slots.valid_slots(req_to_token[req_rows[b], :plen], stage)
+            plen = prefix_lens[b]
+            if first_drop and d.park and n > 0 and self._may_park(d, plen):
+                park_rows.append((b, seg))
+                continue
+            if not d.enabled:
+                continue
+            parked = self.parked.get(d.rid) if first_drop else None
+            if parked is not None and parked.count == 0:
+                parked = None
+            # Candidates: parked rows of earlier chunks (if any), then this step's rows.
+            if parked is not None:
+                p0, pc = parked.start_pos, parked.count
+                hid, res, pq, pqpos = parked.tensors()
+                pslots_c = req_to_token[req_rows[b], p0:p0 + pc].to(torch.int64)
+                ppos_c = torch.arange(p0, p0 + pc, device=device)
+                src = torch.cat([total + n_extra + torch.arange(pc, device=device), seg])
+                extra_pos.append(ppos_c), extra_slots.append(pslots_c)
+                extra_hidden.append(hid), extra_residual.append(res)
+                extra_seg.append(torch.full((pc,), b, dtype=torch.int64, device=device))
+                n_extra += pc
+                fixed_len = p0
+                ctx.fixed_lens[b] = p0  # the parked rows are rows of this request from now on
             else:
-                pslots = ppos = torch.empty(0, dtype=torch.int64, device=device)
-            k_slots += [pslots.to(torch.int64), ctx.out_cache_loc[s:s + n].to(torch.int64)]
-            k_pos += [ppos.to(torch.int64), ctx.positions[s:s + n].to(torch.int64)]
-            cand_rows.append(seg)
-            cand_start.append(pslots.numel())
+                pc, src, fixed_len = 0, seg, plen
+                pq = pqpos = None
+                pslots_c = ppos_c = empty
+            if parked is None and n < cfg.min_tokens_to_drop:
+                d.reason = "too few new tokens to score"
+                continue
+            nq = min(cfg.last_queries, pc + n)
+            own_q = q[s:s + n]
+            own_qpos = ctx.positions[s:s + n]
+            if nq > n and pq is not None:  # the final chunk is shorter than the query window
+                own_q = torch.cat([pq.to(own_q.dtype), own_q])
+                own_qpos = torch.cat([pqpos, own_qpos])
+            q_parts.append(own_q[-nq:]), qpos_parts.append(own_qpos[-nq:])
+            if fixed_len > 0:
+                fslots, fpos = self.slots.valid_slots(req_to_token[req_rows[b], :fixed_len], stage)
+            else:
+                fslots = fpos = empty
+            k_slots += [fslots.to(torch.int64), pslots_c, ctx.out_cache_loc[s:s + n].to(torch.int64)]
+            k_pos += [fpos.to(torch.int64), ppos_c, ctx.positions[s:s + n].to(torch.int64)]
+            cand_src.append(src)
+            cand_start.append(fslots.numel())
             q_indptr.append(q_indptr[-1] + nq)
-            k_indptr.append(k_indptr[-1] + pslots.numel() + n)
+            k_indptr.append(k_indptr[-1] + fslots.numel() + pc + n)
+            scored.append((b, pc))
 
-        q_rows = torch.cat(q_rows)
-        k_slots, k_pos, cand_rows = torch.cat(k_slots), torch.cat(k_pos), torch.cat(cand_rows)
-        q_indptr = torch.tensor(q_indptr, dtype=torch.int32, device=device)
-        k_indptr = torch.tensor(k_indptr, dtype=torch.int32, device=device)
-        scores = kernels.score_tokens(
-            q.index_select(0, q_rows), ctx.positions.index_select(0, q_rows), q_indptr,
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id), k_slots, k_pos, k_indptr,
-            layer.scaling,
-        )
-        if self.tp_group is not None:
-            # Each rank scored its own heads: sum them so every rank selects the same tokens.
-            scores = self.tp_group.all_reduce(scores)
-        decisions = [ctx.plan.decisions[b] for b in enabled]
-        keep_idx, new_counts = kernels.select_tokens(
-            scores, k_pos, k_indptr,
-            torch.tensor(cand_start, dtype=torch.int64, device=device),
-            cfg.block_size,
-            torch.tensor([d.top_p for d in decisions], dtype=torch.float32, device=device),
-            torch.tensor([d.keep_ratio for d in decisions], dtype=torch.float32, device=device),
-            cfg.sink_tokens, cfg.last_queries,
-        )
-
-        total = ctx.positions.shape[0]
-        keep_mask = torch.ones(total, dtype=torch.bool, device=device)
-        keep_mask[cand_rows] = False
-        keep_mask[cand_rows[keep_idx]] = True
-        self.slots.mark_dropped(ctx.out_cache_loc[~keep_mask], stage)
-        rows = torch.nonzero(keep_mask, as_tuple=True)[0]
-
-        for b, count in zip(enabled, new_counts.tolist()):
-            if count < ctx.lens[b]:
-                ctx.sparse[b] = True
-            ctx.lens[b] = int(count)
-        ctx.kept.append(list(ctx.lens))
-        if rows.numel() == total:
+        if not scored and not park_rows:
+            ctx.kept.append(list(ctx.lens))
             return
-        ctx.positions = ctx.positions.index_select(0, rows)
-        ctx.out_cache_loc = ctx.out_cache_loc.index_select(0, rows)
+
+        # Row sources: keep_mask over current rows + joining parked rows.
+        keep_mask = torch.ones(total + n_extra, dtype=torch.bool, device=device)
+        if n_extra:
+            keep_mask[total:] = False
+        all_pos = torch.cat([ctx.positions.to(torch.int64)] + extra_pos)
+        all_slots = torch.cat([ctx.out_cache_loc.to(torch.int64)] + extra_slots)
+        if scored:
+            cand_src_t = torch.cat(cand_src)
+            scores = kernels.score_tokens(
+                torch.cat(q_parts), torch.cat(qpos_parts),
+                torch.tensor(q_indptr, dtype=torch.int32, device=device),
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                torch.cat(k_slots), torch.cat(k_pos),
+                torch.tensor(k_indptr, dtype=torch.int32, device=device), layer.scaling,
+            )
+            if self.tp_group is not None:
+                # Each rank scored its own heads: sum them so every rank keeps the same tokens.
+                scores = self.tp_group.all_reduce(scores)
+            ds = [decisions[b] for b, _ in scored]
+            keep_idx, new_counts = kernels.select_tokens(
+                scores, torch.cat(k_pos), torch.tensor(k_indptr, dtype=torch.int32, device=device),
+                torch.tensor(cand_start, dtype=torch.int64, device=device), cfg.block_size,
+                torch.tensor([d.top_p for d in ds], dtype=torch.float32, device=device),
+                torch.tensor([d.keep_ratio for d in ds], dtype=torch.float32, device=device),
+                cfg.sink_tokens, cfg.last_queries,
+            )
+            keep_mask[cand_src_t] = False
+            keep_mask[cand_src_t[keep_idx]] = True
+            # Dropped rows keep KV for the layers up to this one only; parked rows that
+            # survive get full KV written by the rest of this forward.
+            dropped_current = ~keep_mask[:total]
+            self.slots.mark_dropped(ctx.out_cache_loc[dropped_current], stage)
+            if n_extra:
+                self.slots.mark_written(all_slots[total:][keep_mask[total:]])
+            for (b, pc), count in zip(scored, new_counts.tolist()):
+                if pc:
+                    ctx.kept[0][b] = pc + ctx.lens[b]
+                    ctx.finished_parking.append(decisions[b].rid)
+                if count < pc + ctx.lens[b]:
+                    ctx.sparse[b] = True
+                ctx.lens[b] = int(count)
+        for b, seg in park_rows:
+            # All rows stop here and wait for the final chunk; the last one goes on alone so
+            # the forward still yields the logits SGLang expects (they are discarded).
+            ctx.to_park.append((decisions[b].rid, seg))
+            keep_mask[seg[:-1]] = False
+            self.slots.mark_dropped(ctx.out_cache_loc[seg[:-1]], stage)
+            ctx.ghost_slots.append(ctx.out_cache_loc[seg[-1:]])
+            self.parked[decisions[b].rid].add_queries(q[seg[-cfg.last_queries:]],
+                                                      ctx.positions[seg[-cfg.last_queries:]])
+            ctx.sparse[b] = True
+            ctx.lens[b] = 1
+        ctx.kept.append(list(ctx.lens))
+
+        rows = torch.nonzero(keep_mask, as_tuple=True)[0]
+        if rows.numel() == total and not n_extra and not park_rows:
+            return
+        if n_extra:
+            # Parked rows rejoin their request ahead of its new rows: order by (request, position).
+            seg_of_row = torch.cat([
+                torch.repeat_interleave(torch.arange(len(decisions), device=device),
+                                        torch.tensor(starts_lens(starts, ctx, total), device=device)),
+                torch.cat(extra_seg),
+            ])
+            key = seg_of_row[rows] * (int(all_pos.max()) + 1) + all_pos[rows]
+            rows = rows[torch.argsort(key, stable=True)]
+        ctx.positions = all_pos.index_select(0, rows).to(ctx.positions.dtype)
+        ctx.out_cache_loc = all_slots.index_select(0, rows).to(ctx.out_cache_loc.dtype)
+        if n_extra:
+            ctx.extra_hidden = torch.cat(extra_hidden)
+            ctx.extra_residual = torch.cat(extra_residual)
         if ctx.pending_rows is not None:  # a previous drop's gather was never applied
             rows = ctx.pending_rows.index_select(0, rows)
         else:
             ctx.rows_before_pending = total
+        ctx.park_sink = self._park
         ctx.pending_rows = rows
         ctx.compacted = True
+
+
+def starts_lens(starts, ctx, total):
+    """Row counts per request before this drop, from the segment starts."""
+    ends = starts[1:] + [total]
+    return [e - s for s, e in zip(starts, ends)]
+
+
+class ParkedRows:
+    """Hidden state of a chunked request's earlier chunks, right after the first drop layer's
+    attention (attention output and residual), plus the queries of its latest rows."""
+
+    def __init__(self, start_pos: int):
+        self.start_pos = start_pos
+        self.hidden, self.residual = [], []
+        self.q = self.q_pos = None
+        self.count = 0
+
+    def append(self, hidden, residual) -> None:
+        self.hidden.append(hidden)
+        self.residual.append(residual)
+        self.count += hidden.shape[0]
+
+    def add_queries(self, q, q_pos) -> None:
+        self.q, self.q_pos = q, q_pos.to(torch.int64)
+
+    def tensors(self):
+        hidden, residual = torch.cat(self.hidden), torch.cat(self.residual)
+        self.hidden, self.residual = [hidden], [residual]
+        return hidden, residual, self.q, self.q_pos

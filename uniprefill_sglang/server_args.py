@@ -18,6 +18,7 @@ from sglang.srt.server_args import ServerArgs
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LAST_QUERIES,
+    DEFAULT_MAX_PARKED_TOKENS,
     DEFAULT_SINK_TOKENS,
     SUPPORTED_ATTENTION_BACKENDS,
     UniPrefillConfig,
@@ -63,6 +64,12 @@ class UniPrefillServerArgs(ServerArgs):
     uniprefill_min_prompt_tokens: A[
         int, Arg(help="UniPrefill: prefill steps with fewer new tokens run dense.")
     ] = 0
+    uniprefill_max_parked_tokens: A[
+        int,
+        Arg(help="UniPrefill chunked prefill: the most prompt tokens whose hidden state is parked "
+                 "between chunks so the final chunk's queries score them; longer prompts drop "
+                 "within the final chunk only. 0 disables parking."),
+    ] = DEFAULT_MAX_PARKED_TOKENS
 
     def __post_init__(self):
         if self.enable_uniprefill:
@@ -85,6 +92,7 @@ class UniPrefillServerArgs(ServerArgs):
             last_queries=self.uniprefill_last_queries,
             drop_layers=self.uniprefill_drop_layers,
             min_prompt_tokens=self.uniprefill_min_prompt_tokens,
+            max_parked_tokens=self.uniprefill_max_parked_tokens,
         )
 
     def _check_uniprefill_backend(self):
