@@ -22,8 +22,8 @@ SUPPORTED_ARCHITECTURES = frozenset(
     }
 )
 
-# Attention backends that know how to read per-stage (sparse) KV.
-SUPPORTED_ATTENTION_BACKENDS = ("torch_native",)
+# Attention backends that know how to read per-stage (sparse) KV (uniprefill_sglang/backends/).
+SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 
 # The paper's schedule for the 32-layer Llama-3.1-8B; other depths scale it proportionally.
 _REFERENCE_DEPTH = 32
@@ -50,6 +50,26 @@ def default_drop_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(l for l in layers if 0 < l < num_layers - 1)
 
 
+def parse_keep_ratios(value, flag: str = "--uniprefill-keep-ratio") -> Optional[tuple[float, ...]]:
+    """Accept None, 0.5, "0.5", "0.5,0.8" or a sequence: one ratio per drop (the last repeats)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            ratios = tuple(float(x) for x in value.replace(" ", "").split(",") if x)
+        elif isinstance(value, (int, float)):
+            ratios = (float(value),)
+        else:
+            ratios = tuple(float(x) for x in value)
+    except (TypeError, ValueError):
+        raise UniPrefillConfigError(
+            f"{flag} must be a fraction in (0, 1] or a comma-separated list of them, got {value!r}"
+        ) from None
+    if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
+        raise UniPrefillConfigError(f"{flag} must be in (0, 1] (one per drop layer), got {value!r}")
+    return ratios
+
+
 def parse_drop_layers(value) -> Optional[tuple[int, ...]]:
     """Accept None, "", "none", "7,11,15" or a sequence of ints."""
     if value is None:
@@ -73,7 +93,8 @@ def parse_drop_layers(value) -> Optional[tuple[int, ...]]:
 @dataclasses.dataclass(frozen=True)
 class UniPrefillConfig:
     top_p: float = DEFAULT_TOP_P
-    keep_ratio: Optional[float] = None
+    # One fraction per drop layer (the last repeats); None: select by top-p.
+    keep_ratio: Optional[tuple[float, ...]] = None
     block_size: int = DEFAULT_BLOCK_SIZE
     sink_tokens: int = DEFAULT_SINK_TOKENS
     last_queries: int = DEFAULT_LAST_QUERIES
@@ -96,7 +117,7 @@ class UniPrefillConfig:
 def build_config(
     *,
     top_p: Optional[float],
-    keep_ratio: Optional[float],
+    keep_ratio,
     block_size: int,
     sink_tokens: int,
     last_queries: int,
@@ -112,10 +133,7 @@ def build_config(
         )
     if top_p is not None and not (0.0 < top_p <= 1.0):
         raise UniPrefillConfigError(f"--uniprefill-top-p must be in (0, 1], got {top_p}")
-    if keep_ratio is not None and not (0.0 < keep_ratio <= 1.0):
-        raise UniPrefillConfigError(
-            f"--uniprefill-keep-ratio must be in (0, 1], got {keep_ratio}"
-        )
+    keep_ratios = parse_keep_ratios(keep_ratio)
     if block_size < 1 or block_size & (block_size - 1):
         raise UniPrefillConfigError(
             f"--uniprefill-block-size must be a power of two >= 1, got {block_size}"
@@ -148,7 +166,7 @@ def build_config(
             )
     return UniPrefillConfig(
         top_p=DEFAULT_TOP_P if top_p is None else float(top_p),
-        keep_ratio=None if keep_ratio is None else float(keep_ratio),
+        keep_ratio=keep_ratios,
         block_size=int(block_size),
         sink_tokens=int(sink_tokens),
         last_queries=int(last_queries),

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from typing import List, Optional
 
-from uniprefill_sglang.config import UniPrefillConfig
+from uniprefill_sglang.config import UniPrefillConfig, UniPrefillConfigError, parse_keep_ratios
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +31,19 @@ def log_fallback_once(reason: str) -> None:
 class RequestDecision:
     enabled: bool
     top_p: float
-    keep_ratio: float  # <= 0: use top-p
+    keep_ratio: tuple  # one fraction per drop (the last repeats); empty: use top-p
     reason: Optional[str] = None  # why the request runs dense this step
     # A non-final chunk whose rows stop at the first drop layer and wait there for the final
     # chunk (runtime.py decides whether the parked state fits).
     park: bool = False
     rid: Optional[str] = None
     prompt_len: int = 0  # tokens of the whole prompt (all chunks)
+
+    def ratio_at(self, drop_index: int) -> float:
+        """Keep ratio of the given drop, or 0.0 for top-p selection."""
+        if not self.keep_ratio:
+            return 0.0
+        return self.keep_ratio[min(drop_index, len(self.keep_ratio) - 1)]
 
 
 @dataclasses.dataclass
@@ -79,19 +85,21 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
     top_p, keep_ratio = config.top_p, config.keep_ratio
 
     def dense(reason: str) -> RequestDecision:
-        return RequestDecision(False, top_p, keep_ratio or 0.0, reason)
+        return RequestDecision(False, top_p, keep_ratio or (), reason)
 
     try:
         top_p = _float_param(params, "uniprefill_top_p", top_p)
-        keep_ratio = _float_param(params, "uniprefill_keep_ratio", keep_ratio)
-        if params.get("uniprefill_top_p") is not None and params.get("uniprefill_keep_ratio") is None:
+        if params.get("uniprefill_keep_ratio") is not None:
+            keep_ratio = parse_keep_ratios(params["uniprefill_keep_ratio"],
+                                           "custom_params['uniprefill_keep_ratio']")
+        elif params.get("uniprefill_top_p") is not None:
             keep_ratio = None  # an explicit per-request top-p wins over a server keep ratio
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, UniPrefillConfigError) as e:
         return dense(f"invalid per-request parameter: {e}")
     if params.get("uniprefill") is False:
         return dense("disabled by the request")
     if not has_schedule:
-        return dense("architecture without a drop schedule")
+        return dense("no drop layers")
     if batch_reason is not None:
         return dense(batch_reason)
     if getattr(req, "multimodal_inputs", None) is not None:
@@ -104,14 +112,14 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
         # layer and the final chunk scores their tokens together with its own.
         if prompt_len < config.min_tokens_to_drop:
             return dense("prompt under the minimum length")
-        return RequestDecision(False, top_p, keep_ratio or 0.0,
+        return RequestDecision(False, top_p, keep_ratio or (),
                                "non-final chunk, parked at the first drop layer",
                                park=True, rid=req.rid, prompt_len=prompt_len)
     # A final chunk counts the earlier chunks' tokens too.
     tokens = rng.end if rng is not None and rng.start > 0 else extend_len
     if tokens < config.min_tokens_to_drop:
         return dense("prompt under the minimum length")
-    return RequestDecision(True, top_p, keep_ratio or 0.0, None,
+    return RequestDecision(True, top_p, keep_ratio or (), None,
                            rid=getattr(req, "rid", None), prompt_len=prompt_len)
 
 
@@ -127,7 +135,7 @@ def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan
     decisions = []
     for i, req in enumerate(reqs):
         if id(req) in decoding or i >= len(extend_lens):
-            decisions.append(RequestDecision(False, config.top_p, 0.0, "decode"))
+            decisions.append(RequestDecision(False, config.top_p, (), "decode"))
             continue
         d = decide(req, extend_lens[i], config, has_schedule, batch_reason)
         if d.reason is not None and not d.park:

@@ -134,7 +134,8 @@ class UniPrefillRuntime:
         parked rows back as candidates scored by the prompt's true last queries.
         """
         stage = self.stages.stage(layer.layer_id)
-        first_drop = stage == 0
+        drop_index = self.stages.drop_index[layer.layer_id]
+        first_drop = drop_index == 0
         cfg = self.config
         fb = ctx.forward_batch
         device = q.device
@@ -231,7 +232,8 @@ class UniPrefillRuntime:
                 scores, torch.cat(k_pos), torch.tensor(k_indptr, dtype=torch.int32, device=device),
                 torch.tensor(cand_start, dtype=torch.int64, device=device), cfg.block_size,
                 torch.tensor([d.top_p for d in ds], dtype=torch.float32, device=device),
-                torch.tensor([d.keep_ratio for d in ds], dtype=torch.float32, device=device),
+                torch.tensor([d.ratio_at(drop_index) for d in ds], dtype=torch.float32,
+                             device=device),
                 cfg.sink_tokens, cfg.last_queries,
             )
             keep_mask[cand_src_t] = False

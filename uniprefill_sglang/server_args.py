@@ -30,6 +30,14 @@ from uniprefill_sglang.config import (
 logger = logging.getLogger(__name__)
 
 
+def _on_cuda(device) -> bool:
+    if device is not None:
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclasses.dataclass
 class UniPrefillServerArgs(ServerArgs):
     enable_uniprefill: A[
@@ -44,8 +52,9 @@ class UniPrefillServerArgs(ServerArgs):
         Arg(help="UniPrefill: attention mass of blocks to keep at each drop, in (0, 1] (default 0.99)."),
     ] = None
     uniprefill_keep_ratio: A[
-        Optional[float],
-        Arg(help="UniPrefill: keep this fraction of blocks at each drop instead of top-p, in (0, 1]."),
+        Optional[str],
+        Arg(help="UniPrefill: keep this fraction of blocks at each drop instead of top-p, in (0, 1]; "
+                 "a comma-separated list gives one per drop layer (the last repeats)."),
     ] = None
     uniprefill_block_size: A[
         int, Arg(help="UniPrefill: tokens per scored block (a power of two).")
@@ -78,6 +87,9 @@ class UniPrefillServerArgs(ServerArgs):
             if self.device == "cpu" and self.attention_backend is None:
                 # SGLang picks intel_amx on x86 CPUs; the CPU path of UniPrefill is torch_native.
                 self.attention_backend = "torch_native"
+            elif self.attention_backend is None and _on_cuda(self.device):
+                # SGLang would pick fa3 on Hopper; UniPrefill's GPU default is FlashInfer.
+                self.attention_backend = "flashinfer"
         super().__post_init__()
         if self.enable_uniprefill:
             self._check_uniprefill_backend()
