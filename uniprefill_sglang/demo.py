@@ -59,12 +59,15 @@ def main(argv=None) -> None:
     parser.add_argument("--cache-dir", default=None, help="where the converted model is kept")
     args = parser.parse_args(argv)
 
+    from transformers import AutoTokenizer
+
     from uniprefill_sglang.model_zoo import prepare_smollm2
-    from uniprefill_sglang.retrieval import make_passkey_case
+    from uniprefill_sglang.retrieval import make_case
 
     on_gpu = _has_cuda()
     model_path = prepare_smollm2(args.cache_dir)
-    case = make_passkey_case(model_path, target_tokens=args.tokens, depth=args.depth, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    case = make_case(tokenizer, "passkey", target_tokens=args.tokens, depth=args.depth, seed=0)
     params = {"temperature": 0.0, "max_new_tokens": 12}
     print(f"model: {model_path}\ndevice: {'GPU' if on_gpu else 'CPU (SGLang CPU engine)'}")
     print(f"prompt: pass key {case.answer!r} at depth {args.depth:.0%} of ~{args.tokens} tokens\n")
