@@ -84,10 +84,11 @@ def test_cli_accepts_the_flags(smollm2_path):
         "--uniprefill-keep-ratio", "0.5", "--uniprefill-drop-layers", "3,9",
         "--uniprefill-block-size", "32", "--uniprefill-min-prompt-tokens", "1024",
     ])
-    assert args.enable_uniprefill and args.uniprefill_keep_ratio == 0.5
+    assert args.enable_uniprefill and args.uniprefill_keep_ratio == "0.5"
     assert args.attention_backend == "torch_native"  # chosen for the CPU path
     cfg = args.uniprefill_config()
     assert cfg.drop_layers == (3, 9) and cfg.block_size == 32 and cfg.min_tokens_to_drop == 1024
+    assert cfg.keep_ratio == (0.5,)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +96,7 @@ def test_cli_accepts_the_flags(smollm2_path):
     [
         (["--uniprefill-top-p", "1.5"], "--uniprefill-top-p must be in \\(0, 1\\]"),
         (["--uniprefill-drop-layers", "7,40"], "layer 40 is out of range"),
-        (["--attention-backend", "intel_amx"], "does not support --attention-backend intel_amx"),
+        (["--attention-backend", "flex_attention"], "does not support --attention-backend flex_attention"),
     ],
 )
 def test_cli_refuses_invalid_flags(smollm2_path, extra, message):
@@ -103,8 +104,11 @@ def test_cli_refuses_invalid_flags(smollm2_path, extra, message):
         _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill", *extra])
 
 
-def test_launch_server_refuses_a_bad_flag_at_start_up(smollm2_path, cpu_env):
+def test_launch_server_refuses_a_bad_flag_at_start_up(smollm2_path):
     """The real `python -m sglang.launch_server` exits before loading anything."""
+    from uniprefill_sglang.cpu_engine import cpu_engine_env
+
+    cpu_env = cpu_engine_env()
     proc = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", smollm2_path,
          "--device", "cpu", "--enable-uniprefill", "--uniprefill-block-size", "48"],
