@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Benchmark of the UniPrefill selection kernels on one CUDA GPU (torch + triton only).
+
+Shape: Llama-3.1-8B attention (Hq=32, Hkv=8, D=128, bf16), n=128 scoring queries
+(the last n tokens of each segment), segment lengths 8K/32K/64K/128K, batch 1 and 8.
+
+For every (length, batch) it times, with CUDA events (warmup, median of iters):
+  * Triton: score_tokens (pass 1 + combine + pass 2) and select_tokens (one kernel + nonzero);
+  * the materialising torch reference (score_tokens_reference with all heads at once,
+    fp32, + select_tokens_reference);
+and reports peak extra memory of both, FLOPs and ideal bytes of the scoring pass
+(2 QK^T passes: 2 * 2 * n * L * Hq * D FLOPs per segment; K read once per pass:
+2 * L * Hkv * D * 2 bytes, + Q and the fp32 scores), achieved TFLOP/s and GB/s,
+and their fraction of the H200 ceilings (~790 TFLOP/s dense bf16, ~4.8 TB/s).
+
+    python benchmarks/bench_selection.py --out bench_selection.json
+    python benchmarks/bench_selection.py --lengths 131072 --batches 1 --sweep   # tile configs
+
+Prints a markdown table to stdout; JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+H200_TFLOPS = 790.0
+H200_TBPS = 4.8
+
+
+def load_kernels():
+    """uniprefill_sglang.kernels if installed, else the repo's kernels/ folder as a package."""
+    try:
+        from uniprefill_sglang import kernels  # noqa: F401
+
+        return kernels
+    except ImportError:
+        pass
+    here = os.path.dirname(os.path.abspath(__file__))
+    kdir = os.path.join(os.path.dirname(here), "kernels")
+    name = "_uniprefill_kernels_bench"
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(kdir, "__init__.py"), submodule_search_locations=[kdir]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_inputs(L, B, n, hq, hkv, d, dtype, shuffle_slots, seed=0):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    nk = L * B
+    q = torch.randn(n * B, hq, d, generator=g, device=dev, dtype=torch.float32).to(dtype)
+    k_cache = torch.randn(nk, hkv, d, generator=g, device=dev, dtype=torch.float32).to(dtype)
+    if shuffle_slots:
+        k_slots = torch.randperm(nk, generator=g, device=dev)
+    else:
+        k_slots = torch.arange(nk, device=dev)
+    k_pos = torch.arange(L, device=dev, dtype=torch.int32).repeat(B)
+    q_pos = torch.arange(L - n, L, device=dev, dtype=torch.int64).repeat(B)
+    q_indptr = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * n
+    k_indptr = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * L
+    return dict(q=q, q_pos=q_pos, q_indptr=q_indptr, k_cache=k_cache, k_slots=k_slots, k_pos=k_pos,
+                k_indptr=k_indptr, sm_scale=d ** -0.5)
+
+
+def cuda_time_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del res
+    return peak
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="8192,32768,65536,131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--n", type=int, default=128, help="scoring queries per segment")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--ref-iters", type=int, default=3)
+    ap.add_argument("--ref-max-total", type=int, default=8 * 131072,
+                    help="skip the reference above this many keys in the batch")
+    ap.add_argument("--shuffle-slots", action="store_true", help="random KV slots instead of contiguous")
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="skip comparing Triton scores with the reference")
+    ap.add_argument("--sweep", action="store_true", help="also time a few score-kernel tile configs")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("CUDA is required", file=sys.stderr)
+        return 2
+    K = load_kernels()
+    from importlib import import_module
+
+    st = import_module(K.__name__ + ".score_triton")
+    dtype = getattr(torch, args.dtype)
+    n, hq, hkv, d = args.n, args.hq, args.hkv, args.head_dim
+    dev_name = torch.cuda.get_device_name()
+    results = []
+
+    for L in [int(x) for x in args.lengths.split(",")]:
+        for B in [int(x) for x in args.batches.split(",")]:
+            inp = make_inputs(L, B, n, hq, hkv, d, dtype, args.shuffle_slots)
+            sel_args = (inp["k_pos"], inp["k_indptr"], torch.zeros(B, dtype=torch.int64, device="cuda"),
+                        args.block_size, torch.full((B,), args.top_p, device="cuda"),
+                        torch.zeros(B, device="cuda"), args.sink, args.window)
+            scores_buf = torch.empty(L * B, dtype=torch.float32, device="cuda")
+
+            def tri_score():
+                return K.score_tokens(**inp, max_q=n, max_k=L, out=scores_buf)
+
+            def tri_select():
+                return K.select_tokens(scores_buf, *sel_args)
+
+            def tri_all():
+                s = K.score_tokens(**inp, max_q=n, max_k=L)
+                return K.select_tokens(s, *sel_args)
+
+            row = dict(L=L, B=B, n=n, hq=hq, hkv=hkv, d=d, dtype=args.dtype, block_size=args.block_size,
+                       top_p=args.top_p)
+            row["triton_score_ms"] = cuda_time_ms(tri_score, args.warmup, args.iters)
+            row["triton_select_ms"] = cuda_time_ms(tri_select, args.warmup, args.iters)
+            row["triton_total_ms"] = cuda_time_ms(tri_all, args.warmup, args.iters)
+            row["triton_peak_extra_mib"] = peak_extra_bytes(tri_all) / 2**20
+            kept = int(tri_select()[1].sum())
+            row["kept_fraction"] = kept / (L * B)
+
+            flops = 2 * 2 * n * L * hq * d * B
+            esz = torch.finfo(dtype).bits // 8
+            bytes_ = B * (2 * L * hkv * d * esz + n * hq * d * esz * 2 + L * 4)
+            t = row["triton_score_ms"] * 1e-3
+            row["score_flops"] = flops
+            row["score_bytes_ideal"] = bytes_
+            row["score_tflops"] = flops / t / 1e12
+            row["score_gbps"] = bytes_ / t / 1e9
+            row["score_frac_peak_flops"] = row["score_tflops"] / H200_TFLOPS
+            row["score_frac_peak_bw"] = row["score_gbps"] / (H200_TBPS * 1e3)
+
+            row["ref_total_ms"] = None
+            row["ref_peak_extra_mib"] = None
+            row["max_rel_err_vs_ref"] = None
+            if L * B <= args.ref_max_total:
+                def ref_all():
+                    s = K.score_tokens_reference(**inp, compute_dtype=torch.float32, kv_head_chunk=None)
+                    return K.select_tokens_reference(s, *sel_args)
+
+                try:
+                    row["ref_total_ms"] = cuda_time_ms(ref_all, 1, args.ref_iters)
+                    row["ref_peak_extra_mib"] = peak_extra_bytes(ref_all) / 2**20
+                    if args.check:
+                        ref = K.score_tokens_reference(**inp, compute_dtype=torch.float32, kv_head_chunk=1)
+                        got = tri_score()
+                        err = ((got - ref).abs() / (ref.abs() + 1e-6 * float(ref.abs().max()))).max()
+                        row["max_rel_err_vs_ref"] = float(err)
+                        del ref, got
+                except torch.cuda.OutOfMemoryError:
+                    row["ref_total_ms"] = "OOM"
+                    torch.cuda.empty_cache()
+            if isinstance(row["ref_total_ms"], float):
+                row["speedup_vs_ref"] = row["ref_total_ms"] / row["triton_total_ms"]
+
+            if args.sweep:
+                row["sweep"] = []
+                configs = [
+                    dict(rows=64, block_n=64, rows2=64, block_n2=64, num_warps=8, num_warps2=8),
+                    dict(rows=128, block_n=64, rows2=64, block_n2=64, num_warps=8, num_warps2=8),
+                    dict(rows=64, block_n=128, rows2=64, block_n2=128, num_warps=8, num_warps2=8),
+                    dict(rows=128, block_n=32, rows2=128, block_n2=64, num_warps=8, num_warps2=8),
+                    dict(rows=64, block_n=64, rows2=32, block_n2=64, num_warps=4, num_warps2=4),
+                    dict(rows=64, block_n=64, rows2=64, block_n2=64, num_warps=4, num_warps2=8, num_stages=3),
+                    dict(rows=64, block_n=64, rows2=64, block_n2=32, num_warps=8, num_warps2=4),
+                ]
+                for cfg in configs:
+                    def f(cfg=cfg):
+                        return st.score_tokens_triton(**inp, max_q=n, max_k=L, out=scores_buf, **cfg)
+                    try:
+                        ms = cuda_time_ms(f, args.warmup, args.iters)
+                    except Exception as e:  # noqa: BLE001 (report and continue)
+                        ms = f"error: {type(e).__name__}: {e}"[:200]
+                    row["sweep"].append(dict(cfg=cfg, score_ms=ms))
+            results.append(row)
+            inp = scores_buf = None  # free before the next shape
+            torch.cuda.empty_cache()
+            print(f"done L={L} B={B}: triton {row['triton_total_ms']:.3f} ms", file=sys.stderr)
+
+    def fmt(x, spec=".3f"):
+        if x is None:
+            return "-"
+        if isinstance(x, str):
+            return x
+        return format(x, spec)
+
+    print(f"\n## UniPrefill selection kernels on {dev_name} "
+          f"(Hq={hq}, Hkv={hkv}, D={d}, {args.dtype}, n={n}, block={args.block_size}, top_p={args.top_p})\n")
+    print("| L | B | score ms | select ms | total ms | ref ms | speedup | peak MiB (triton) | peak MiB (ref) "
+          "| TFLOP/s | % 790 | GB/s (ideal) | % 4.8TB/s | kept | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['L']} | {r['B']} | {fmt(r['triton_score_ms'])} | {fmt(r['triton_select_ms'])} | "
+              f"{fmt(r['triton_total_ms'])} | {fmt(r['ref_total_ms'], '.2f')} | {fmt(r.get('speedup_vs_ref'), '.1f')} | "
+              f"{fmt(r['triton_peak_extra_mib'], '.1f')} | {fmt(r['ref_peak_extra_mib'], '.0f')} | "
+              f"{fmt(r['score_tflops'], '.1f')} | {fmt(100 * r['score_frac_peak_flops'], '.1f')} | "
+              f"{fmt(r['score_gbps'], '.0f')} | {fmt(100 * r['score_frac_peak_bw'], '.1f')} | "
+              f"{fmt(r['kept_fraction'], '.3f')} | {fmt(r['max_rel_err_vs_ref'], '.2e')} |")
+    if args.sweep:
+        print("\n### score_tokens tile sweep (ms)\n")
+        for r in results:
+            for s in r.get("sweep", []):
+                print(f"- L={r['L']} B={r['B']} {s['cfg']}: {fmt(s['score_ms'])}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=dev_name, torch=torch.__version__, time=time.time(), args=vars(args),
+                           results=results), f, indent=2)
+        print(f"\nJSON written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""UniPrefill selection kernels: token scoring, block top-p selection, compaction.
+
+Public API (installed as ``uniprefill_sglang.kernels``):
+
+* ``score_tokens(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale, max_q=None, max_k=None, out=None)``
+* ``select_tokens(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio, sink_tokens, last_window)``
+* ``compact_rows(index, *tensors)``
+
+Dispatch: Triton when the tensors are on CUDA, or when env
+``UNIPREFILL_FORCE_TRITON=1`` (CPU tensors then need ``TRITON_INTERPRET=1`` set
+before triton is imported); the torch reference otherwise.
+``UNIPREFILL_FORCE_REFERENCE=1`` forces the reference.  The environment is read
+at every call.  The Triton modules are imported lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .reference import (
+    RATIO_EPS,
+    block_scores_reference,
+    compact_rows_reference,
+    num_blocks_for_ratio,
+    num_blocks_for_top_p,
+    score_segment_reference,
+    score_tokens_reference,
+    select_segment_reference,
+    select_tokens_reference,
+)
+
+__all__ = [
+    "score_tokens",
+    "select_tokens",
+    "compact_rows",
+    "use_triton",
+    "score_tokens_reference",
+    "select_tokens_reference",
+    "score_segment_reference",
+    "select_segment_reference",
+    "block_scores_reference",
+    "num_blocks_for_ratio",
+    "num_blocks_for_top_p",
+    "RATIO_EPS",
+]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton path is used for tensors on ``device``."""
+    if _env_flag("UNIPREFILL_FORCE_REFERENCE"):
+        return False
+    if _env_flag("UNIPREFILL_FORCE_TRITON"):
+        return True
+    return device.type == "cuda"
+
+
+def score_tokens(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_indptr: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_slots: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_indptr: torch.Tensor,
+    sm_scale: float,
+    max_q: Optional[int] = None,
+    max_k: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-key attention mass from each segment's last queries.
+
+    q:        [Nq, Hq, D] bf16/fp16/fp32, post-RoPE scoring queries of B segments, concatenated.
+    q_pos:    [Nq] int32/int64, original positions of the queries.
+    q_indptr: [B+1] int32/int64, segment b's queries are q[q_indptr[b]:q_indptr[b+1]] (may be empty).
+    k_cache:  [S, Hkv, D] key buffer indexed by slot; Hq % Hkv == 0.
+    k_slots:  [Nk] int32/int64, k_cache row of each key; segment b's keys are k_indptr[b]:k_indptr[b+1].
+    k_pos:    [Nk] int32/int64, key j is visible to query i iff k_pos[j] <= q_pos[i].
+    sm_scale: softmax scale (usually 1/sqrt(D)).
+    max_q / max_k: optional host ints >= the longest segment's query / key count
+              (computed with one .item() sync each when omitted).  Must not be too small.
+    out:      optional preallocated fp32 [Nk] output (contiguous).
+    Returns fp32 [Nk]: scores[j] = sum over the queries of j's segment and all Hq heads of
+    softmax over the visible keys of that segment, evaluated at j.  Rows with no visible key
+    contribute nothing; segments with no query give zeros.
+    """
+    if use_triton(k_cache.device):
+        from .score_triton import score_tokens_triton
+
+        return score_tokens_triton(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale,
+                                   max_q=max_q, max_k=max_k, out=out)
+    res = score_tokens_reference(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale,
+                                 compute_dtype=torch.float32, kv_head_chunk=1)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def select_tokens(
+    scores: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_indptr: torch.Tensor,
+    cand_start,
+    block_size: int,
+    top_p,
+    keep_ratio,
+    sink_tokens: int,
+    last_window: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Choose which candidate keys survive, per segment.
+
+    scores: fp32 [Nk] from score_tokens; k_pos, k_indptr as in score_tokens.
+    cand_start: [B] int tensor (or int): per segment, offset relative to k_indptr[b] where the
+        droppable candidates start; earlier keys (cached prefix) are neither candidates nor returned.
+    block_size: candidates are grouped in consecutive blocks of this size from the first candidate
+        (the last block may be partial).
+    top_p, keep_ratio: fp32 [B] tensors (or floats).  keep_ratio[b] > 0: keep the
+        ceil(keep_ratio * num_blocks) highest blocks (clamped to [1, num_blocks]; a relative slack of
+        RATIO_EPS absorbs fp32 rounding of the ratio).  Else top-p: blocks sorted by score descending
+        (ties: lower block index first), keep the smallest prefix whose normalised mass reaches p
+        (crossing block kept, top block always kept); p >= 1, or a segment whose blocks all score 0,
+        keeps every block.
+    sink_tokens: candidates with k_pos < sink_tokens are always kept.
+    last_window: the last `last_window` candidates of each segment are always kept.
+    Returns (keep_idx int64 [K_total]: ascending indices into the candidate rows enumerated across
+    the batch (segment 0's candidates first); new_counts int32 [B]: kept candidates per segment).
+    The Triton path does one host sync (torch.nonzero).
+    """
+    if use_triton(scores.device):
+        from .select_triton import select_tokens_triton
+
+        return select_tokens_triton(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio,
+                                    sink_tokens, last_window)
+    return select_tokens_reference(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio,
+                                   sink_tokens, last_window)
+
+
+def compact_rows(index: torch.Tensor, *tensors) -> tuple:
+    """Gather rows (dim 0) of each tensor by ``index`` (int64); None passes through."""
+    return compact_rows_reference(index, *tensors)

@@ -1,0 +1,269 @@
+"""CUDA tests of the UniPrefill selection kernels (skipped without CUDA).
+
+Run in a pytest process of its own, or at least one where ``TRITON_INTERPRET`` is
+not set (tests/test_kernels.py never sets it when a GPU is visible):
+
+    pytest tests/gpu/test_kernels_gpu.py -q
+
+Oracle: the torch reference in float64 (on the GPU, one KV head at a time).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA not available", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    pytest.skip("TRITON_INTERPRET=1 in this process: run the GPU tests in a separate pytest process",
+                allow_module_level=True)
+
+import triton  # noqa: E402,F401  (imported before anything could set TRITON_INTERPRET)
+
+from uniprefill_sglang.kernels import (  # noqa: E402
+    block_scores_reference,
+    score_tokens,
+    score_tokens_reference,
+    select_tokens,
+    select_tokens_reference,
+)
+from uniprefill_sglang.kernels import score_triton  # noqa: E402  (eager: pins compiled-mode kernels)
+
+if type(score_triton._score_accum_kernel).__name__ == "InterpretedFunction":
+    pytest.skip("kernels were imported in interpreter mode", allow_module_level=True)
+
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _no_forcing(monkeypatch):
+    monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
+
+
+def make_batch(seed, segs, hq, hkv, d, dtype=torch.bfloat16, noncontig=True, q_scale=1.0, extra_slots=1000):
+    """segs: list of (num_queries, num_keys); see tests/test_kernels.py::make_batch."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q_ind, k_ind, qpos, kpos = [0], [0], [], []
+    for nq, nk in segs:
+        if noncontig and nk > 0:
+            kp = torch.sort(torch.randperm(2 * nk + 3, generator=g, device=DEV)[:nk]).values
+        else:
+            kp = torch.arange(nk, device=DEV)
+        if nq <= nk:
+            qp = kp[nk - nq:] if nq > 0 else kp[:0]
+        else:
+            qp = torch.randint(0, 2 * nk + 3, (nq,), generator=g, device=DEV)
+        kpos.append(kp)
+        qpos.append(qp)
+        q_ind.append(q_ind[-1] + nq)
+        k_ind.append(k_ind[-1] + nk)
+    nq_tot, nk_tot = q_ind[-1], k_ind[-1]
+    s = nk_tot + extra_slots
+    q = (torch.randn(nq_tot, hq, d, generator=g, device=DEV) * q_scale).to(dtype)
+    k_cache = torch.randn(s, hkv, d, generator=g, device=DEV).to(dtype)
+    k_slots = torch.randperm(s, generator=g, device=DEV)[:nk_tot]
+    return dict(
+        q=q,
+        q_pos=torch.cat(qpos).to(torch.int64),
+        q_indptr=torch.tensor(q_ind, dtype=torch.int32, device=DEV),
+        k_cache=k_cache,
+        k_slots=k_slots,
+        k_pos=torch.cat(kpos).to(torch.int32),
+        k_indptr=torch.tensor(k_ind, dtype=torch.int32, device=DEV),
+        sm_scale=d ** -0.5,
+    ), max(n for n, _ in segs), max(n for _, n in segs)
+
+
+def oracle(b):
+    return score_tokens_reference(**b, compute_dtype=torch.float64, kv_head_chunk=1)
+
+
+def run_scores(b, **kw):
+    out = torch.full((b["k_slots"].numel(),), float("nan"), dtype=torch.float32, device=DEV)
+    res = score_tokens(**b, out=out, **kw)
+    torch.cuda.synchronize()
+    return res
+
+
+def assert_scores_close(got, ref, rtol=1e-3, atol=1e-5):
+    assert torch.isfinite(got).all(), "non-finite scores"
+    ref = ref.double()
+    err = (got.double() - ref).abs()
+    bound = atol * max(1.0, float(ref.abs().max())) + rtol * ref.abs()
+    bad = err > bound
+    assert not bad.any(), (
+        f"{int(bad.sum())} mismatches; worst err {float(err.max()):.3e} at {int(err.argmax())}, "
+        f"ref {float(ref[err.argmax()]):.6e} got {float(got[err.argmax()]):.6e}"
+    )
+
+
+def assert_row_mass(got, b):
+    hq = b["q"].shape[1]
+    qi, ki = b["q_indptr"].tolist(), b["k_indptr"].tolist()
+    for s in range(len(qi) - 1):
+        qp = b["q_pos"][qi[s]:qi[s + 1]]
+        kp = b["k_pos"][ki[s]:ki[s + 1]].to(torch.int64)
+        rows = int((kp.view(1, -1) <= qp.view(-1, 1)).any(dim=1).sum()) if kp.numel() else 0
+        mass = float(got[ki[s]:ki[s + 1]].double().sum())
+        assert abs(mass - rows * hq) <= 1e-3 * max(1, rows * hq), (s, mass, rows * hq)
+
+
+MIXED = [(128, 4096), (0, 1000), (300, 2500), (1, 1), (128, 9000), (7, 0), (64, 64), (17, 333)]
+
+
+@pytest.mark.parametrize(
+    "d,hq,hkv,dtype",
+    [
+        (128, 32, 8, torch.bfloat16),  # Llama-3.1-8B, G = 4
+        (128, 32, 32, torch.bfloat16),  # G = 1
+        (64, 32, 4, torch.float16),  # G = 8, D = 64
+        (128, 28, 4, torch.bfloat16),  # G = 7 (Qwen2-7B)
+        (128, 16, 2, torch.float32),  # fp32 inputs (ieee dot)
+    ],
+)
+def test_score_matches_reference(d, hq, hkv, dtype):
+    b, max_q, max_k = make_batch(d + hq + hkv, MIXED, hq, hkv, d, dtype, q_scale=2.0)
+    got = run_scores(b, max_q=max_q, max_k=max_k)
+    assert_scores_close(got, oracle(b))
+    assert_row_mass(got, b)
+    got2 = run_scores(b)  # max lengths computed internally
+    assert torch.equal(got, got2)
+
+
+@pytest.mark.parametrize("segs", [[(128, 65536)], [(128, 65536), (0, 777), (128, 32768), (100, 40000)]])
+def test_score_long_segments(segs):
+    b, max_q, max_k = make_batch(5, segs, 32, 8, 128, torch.bfloat16, noncontig=False, q_scale=2.0)
+    got = run_scores(b, max_q=max_q, max_k=max_k)
+    assert_scores_close(got, oracle(b))
+    assert_row_mass(got, b)
+
+
+def test_score_all_masked_and_empty():
+    b, max_q, max_k = make_batch(6, [(16, 500), (0, 300), (8, 200)], 32, 8, 128)
+    ki = b["k_indptr"].tolist()
+    b["k_pos"][ki[0]:ki[1]] += 10_000
+    got = run_scores(b, max_q=max_q, max_k=max_k)
+    assert (got[ki[0]:ki[2]] == 0).all()
+    assert_scores_close(got, oracle(b))
+
+
+def test_score_peak_memory_64k():
+    """No [n x L x H] materialisation: extra memory beyond the output is tiny."""
+    n, L = 128, 65536
+    b, max_q, max_k = make_batch(7, [(n, L)], 32, 8, 128, noncontig=False)
+    out = torch.empty(L, dtype=torch.float32, device=DEV)
+    score_tokens(**b, max_q=max_q, max_k=max_k, out=out)  # warm up / compile
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    score_tokens(**b, max_q=max_q, max_k=max_k, out=out)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    materialised = n * L * 32 * 4  # one fp32 [n, L, Hq] score matrix
+    print(f"score_tokens extra peak at 64K: {extra / 2**20:.2f} MiB (one fp32 score matrix: {materialised / 2**20:.0f} MiB)")
+    assert extra < 16 * 2**20, extra
+
+
+def test_score_is_sync_free_with_max_lengths():
+    b, max_q, max_k = make_batch(8, [(128, 5000), (0, 10), (64, 3000)], 32, 8, 128)
+    score_tokens(**b, max_q=max_q, max_k=max_k)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        score_tokens(**b, max_q=max_q, max_k=max_k)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_score_deterministic():
+    b, max_q, max_k = make_batch(9, [(128, 20000), (32, 7000)], 32, 8, 128)
+    a1 = run_scores(b, max_q=max_q, max_k=max_k)
+    a2 = run_scores(b, max_q=max_q, max_k=max_k)
+    assert torch.equal(a1, a2)
+
+
+# ---------------------------------------------------------------------------
+# select_tokens
+# ---------------------------------------------------------------------------
+
+
+def pick_p(g, scores, k_indptr, cand_start, bs, margin=2e-5, lo=0.05, hi=0.98):
+    """Random top-p per segment, kept `margin` away from every cumulative mass boundary."""
+    ki = k_indptr.tolist()
+    ps = []
+    for b in range(len(ki) - 1):
+        c0, c1 = ki[b] + cand_start[b], ki[b + 1]
+        blocks = block_scores_reference(scores[c0:c1].double().cpu(), bs)
+        cum = torch.cumsum(torch.sort(blocks, descending=True).values, 0)
+        cum = cum / cum[-1] if cum.numel() and cum[-1] > 0 else cum
+        for _ in range(1000):
+            p = lo + (hi - lo) * float(torch.rand(1, generator=g))
+            if cum.numel() == 0 or float((cum - p).abs().min()) > margin:
+                break
+        else:
+            raise AssertionError("no top-p value away from the cumulative boundaries")
+        ps.append(p)
+    return ps
+
+
+def compare_select(scores, k_pos, k_indptr, cand, bs, tp, kr, sink, window):
+    args = (k_indptr, torch.tensor(cand), bs, torch.tensor(tp, dtype=torch.float32),
+            torch.tensor(kr, dtype=torch.float32), sink, window)
+    idx, cnt = select_tokens(scores, k_pos, *[a.to(DEV) if torch.is_tensor(a) else a for a in args])
+    ridx, rcnt = select_tokens_reference(scores.cpu(), k_pos.cpu(), *[a.cpu() if torch.is_tensor(a) else a
+                                                                      for a in args])
+    assert idx.device.type == "cuda" and cnt.device.type == "cuda"
+    assert torch.equal(cnt.cpu().long(), rcnt.long()), (cnt.tolist(), rcnt.tolist())
+    assert torch.equal(idx.cpu(), ridx)
+    return idx, cnt
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+def test_select_matches_reference_large(bs):
+    g = torch.Generator().manual_seed(bs)
+    lens = [65536, 1, 0, 30000, 4097, 131072]
+    cand = [0, 0, 0, 1234, 4000, 64]
+    scores = torch.cat([torch.rand(n, generator=g) ** 6 for n in lens]).to(DEV)
+    k_pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
+    k_indptr = torch.tensor([0] + torch.cumsum(torch.tensor(lens), 0).tolist(), dtype=torch.int32, device=DEV)
+    tp = pick_p(g, scores, k_indptr, cand, bs)
+    compare_select(scores, k_pos, k_indptr, cand, bs, tp, [0.0] * len(lens), 4, 128)
+    kr = [0.25, 0.0, 0.5, 0.1, 0.0, 0.3]
+    compare_select(scores, k_pos, k_indptr, cand, bs, tp, kr, 0, 0)
+
+
+def test_select_keep_all_and_ties():
+    lens = [8192, 8192, 4096]
+    scores = torch.cat([torch.full((8192,), 0.5), torch.rand(8192), torch.zeros(4096)]).to(DEV)
+    k_pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
+    k_indptr = torch.tensor([0, 8192, 16384, 20480], dtype=torch.int32, device=DEV)
+    cs = torch.zeros(3, dtype=torch.int64, device=DEV)
+    idx, cnt = select_tokens(scores, k_pos, k_indptr, cs, 64, torch.ones(3, device=DEV), torch.zeros(3, device=DEV), 0, 0)
+    assert cnt.tolist() == lens and torch.equal(idx.cpu(), torch.arange(sum(lens)))
+    # equal blocks, p = 0.25 of 128 blocks -> blocks 0..31 (the first by index)
+    idx, cnt = select_tokens(scores, k_pos, k_indptr, cs, 64, torch.full((3,), 0.25, device=DEV),
+                             torch.zeros(3, device=DEV), 0, 0)
+    assert torch.equal(idx[idx < 8192].cpu(), torch.arange(32 * 64))
+    assert cnt[2] == 4096  # zero-mass segment keeps everything
+
+
+def test_pipeline_end_to_end():
+    """score -> select -> compact on a Llama-like batch; compare with the reference pipeline."""
+    from uniprefill_sglang.kernels import compact_rows
+
+    b, max_q, max_k = make_batch(11, [(128, 16384), (128, 8192)], 32, 8, 128, noncontig=False, q_scale=3.0)
+    scores = score_tokens(**b, max_q=max_q, max_k=max_k)
+    ref = oracle(b).float()
+    cand = [1024, 0]
+    g = torch.Generator().manual_seed(0)
+    tp = pick_p(g, ref, b["k_indptr"], cand, 64, margin=1e-4)
+    idx, cnt = compare_select(ref, b["k_pos"], b["k_indptr"], cand, 64, tp, [0.0, 0.0], 4, 128)
+    idx2, cnt2 = select_tokens(scores, b["k_pos"], b["k_indptr"], torch.tensor(cand, device=DEV), 64,
+                               torch.tensor(tp, device=DEV), torch.zeros(2, device=DEV), 4, 128)
+    assert torch.equal(idx, idx2) and torch.equal(cnt, cnt2)
+    rows = torch.randn(16384 - 1024 + 8192, 4, device=DEV)  # one row per candidate
+    (kept,) = compact_rows(idx, rows)
+    assert kept.shape[0] == int(cnt.sum())
