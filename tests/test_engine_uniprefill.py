@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
 from uniprefill_sglang.cpu_engine import make_cpu_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
-DECODE_48 = {"temperature": 0.0, "max_new_tokens": 48}
+DECODE_48 = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
 META = "uniprefill"
 SINKS_PLUS_WINDOW = 128 + 128
 
@@ -73,6 +74,14 @@ def _assert_no_leak(state) -> None:
     assert state["parked_requests"] == 0, state
 
 
+def _flush(engine, timeout_s: float = 60.0) -> None:
+    """Empty the radix cache; SGLang refuses while the scheduler is not fully idle yet."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline, "radix cache flush kept being refused"
+        time.sleep(0.2)
+
+
 def _prefix_sequence(engine):
     return [engine.generate(PREFIX_DOC + q, GREEDY) for q in PREFIX_QUESTIONS]
 
@@ -107,21 +116,24 @@ def dense_run(smollm2_path):
 def up_run(smollm2_path, dense_run):
     engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, enable_mixed_chunk=True)
     try:
+        def fresh(prompt, params):  # no radix hit from an earlier request of this fixture
+            _flush(engine)
+            return engine.generate(prompt, params)
+
         run = {
             "drop_layers": _pool_state(engine)["drop_layers"],
-            "p1": [engine.generate(p, dict(GREEDY, custom_params={"uniprefill_top_p": 1.0}))
+            "p1": [fresh(p, dict(GREEDY, custom_params={"uniprefill_top_p": 1.0}))
                    for p in LONG_PROMPTS],
-            "p099": [engine.generate(p, GREEDY) for p in LONG_PROMPTS],
-            "ratio": engine.generate(
-                LONG_PROMPTS[0], dict(GREEDY, custom_params={"uniprefill_keep_ratio": 0.5})),
-            "off": engine.generate(
-                LONG_PROMPTS[0], dict(GREEDY, custom_params={"uniprefill": False})),
-            "short": engine.generate(SHORT_PROMPT, DECODE_48),
+            "p099": [fresh(p, GREEDY) for p in LONG_PROMPTS],
+            "ratio": fresh(LONG_PROMPTS[0],
+                           dict(GREEDY, custom_params={"uniprefill_keep_ratio": 0.5})),
+            "off": fresh(LONG_PROMPTS[0], dict(GREEDY, custom_params={"uniprefill": False})),
+            "short": fresh(SHORT_PROMPT, DECODE_48),
         }
-        engine.flush_cache()
+        _flush(engine)
         run["mixed_short"], run["mixed_long"] = _run_together(
             engine, SHORT_PROMPT, DECODE_48, LONG_PROMPTS[1], GREEDY)
-        engine.flush_cache()
+        _flush(engine)
         run["prefix"] = _prefix_sequence(engine)
         run["pool"] = _pool_state(engine)
         return run
@@ -148,6 +160,7 @@ def test_top_p_one_is_token_identical_to_dense(up_run, dense_run):
 def test_top_p_drops_and_reports_kept_tokens_per_stage(up_run):
     for out in up_run["p099"]:
         kept = _kept(out)
+        assert out["meta_info"]["cached_tokens"] == 0
         assert kept[0] == out["meta_info"]["prompt_tokens"]
         assert len(kept) == len(up_run["drop_layers"]) + 1
         assert all(a >= b for a, b in zip(kept, kept[1:])), kept  # drops are cumulative
@@ -232,14 +245,19 @@ def chunked_run(smollm2_path, fresh_prefix_run):
     engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, enable_mixed_chunk=True,
                              chunked_prefill_size=CHUNK)
     try:
-        run = {"alone": [engine.generate(p, GREEDY) for p in LONG_PROMPTS]}
-        engine.flush_cache()
+        run = {"alone": []}
+        for prompt in LONG_PROMPTS:
+            _flush(engine)
+            run["alone"].append(engine.generate(prompt, GREEDY))
+        _flush(engine)
         run["together"] = engine.generate(LONG_PROMPTS, GREEDY)
-        engine.flush_cache()
+        _flush(engine)
         run["aborted"] = _abort_mid_prefill(engine, LONG_PROMPTS[1] + " Think twice.")
         run["pool_after_abort"] = _pool_state(engine)
+        _flush(engine)
         run["after_abort"] = engine.generate(LONG_PROMPTS[0], GREEDY)
         run["pool"] = _pool_state(engine)
+        _flush(engine)
         run["logprobs"] = engine.generate(LONG_PROMPTS[0], GREEDY, return_logprob=True,
                                           logprob_start_len=0)
         return run
