@@ -8,6 +8,7 @@ in the launcher, in `sglang.Engine` and in every scheduler process) swaps them i
 
 from uniprefill_sglang.patches import (
     attention_backends,
+    cuda_graphs,
     forward_batch,
     logits,
     model_runner,
@@ -15,7 +16,8 @@ from uniprefill_sglang.patches import (
     server_args,
 )
 
-_MODULES = (server_args, forward_batch, model_runner, logits, attention_backends, scheduler)
+_MODULES = (server_args, forward_batch, model_runner, logits, attention_backends, scheduler,
+            cuda_graphs)
 
 
 def register_all() -> None:

@@ -1,16 +1,32 @@
 """Hooks on SGLang attention backends: per-stage KV views.
 
+Every hook calls the upstream code unchanged unless UniPrefill is on with a drop schedule and
+the batch needs a per-stage view; dense requests and batches run upstream code.
+
 * `TorchNativeAttnBackend.forward_extend` / `.forward_decode` (AROUND): after a drop, a layer
   writes KV only for the survivors and attends only to the KV its stage holds
-  (uniprefill_sglang/backends/torch_native.py). Batches with nothing sparse run upstream code.
+  (uniprefill_sglang/backends/torch_native.py).
+* `FlashInferAttnBackend` (uniprefill_sglang/backends/flashinfer.py):
+  - `forward_extend` (AROUND): layers of a stage with a sparse view write KV for the survivors
+    and run a paged prefill wrapper planned once per stage per forward over the compacted view.
+  - `init_forward_metadata` (AROUND): a decode batch with sparse KV plans one decode wrapper
+    per stage; `_get_wrapper_idx` (AROUND) returns the layer's stage under such metadata.
+  - `init_cuda_graph_state` / `_create_decode_wrappers` (AFTER) and
+    `init_forward_metadata_out_graph` (AROUND): decode CUDA graphs capture one wrapper per
+    stage over per-stage static buffers, refilled and re-planned outside the graph on replay.
+* `TritonAttnBackend` (uniprefill_sglang/backends/triton.py): `forward_extend`,
+  `forward_decode`, `init_forward_metadata`, `init_forward_metadata_out_graph` (AROUND) and
+  `init_cuda_graph_state` (AFTER): the same views, built on the device without host syncs.
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 
 def register() -> None:
-    from uniprefill_sglang.backends import torch_native
+    from uniprefill_sglang.backends import flashinfer, torch_native, triton
 
     target = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
     HookRegistry.register(f"{target}.forward_extend", torch_native.forward_extend, HookType.AROUND)
     HookRegistry.register(f"{target}.forward_decode", torch_native.forward_decode, HookType.AROUND)
+    flashinfer.register(HookRegistry.register, HookType.AROUND, HookType.AFTER)
+    triton.register(HookRegistry.register, HookType.AROUND, HookType.AFTER)

@@ -1,0 +1,224 @@
+"""Triton backend adapter: attention over per-stage KV views, without host syncs.
+
+The Triton kernels read their lengths on the device, so every view is built on the GPU from
+`req_to_token` and the per-slot stages (see backends/flashinfer.py for the invariant):
+
+* Extend (stage > 0, compacted batch or sparse prefix): the extend kernel takes the survivors'
+  q/k/v directly (causal among them) and, as its "prefix", each request's valid slots at this
+  stage minus the last `ctx.lens[b]` ones (which are the survivors themselves: chunked prefill's
+  parked rows live in the prefix region of `req_to_token`). Built once per stage per forward
+  (cached on the drop context); the layer writes KV for the survivors only.
+* Decode: for a batch holding a request with sparse KV, per-stage kv_indptr / kv_indices /
+  num_kv_splits; `forward_decode` swaps them into the metadata for the layers of that stage.
+* Decode CUDA graphs: per-stage static buffers captured into the graph and refilled on replay
+  outside it (a copy of the dense view for dense batches, a compaction otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from uniprefill_sglang.backends.flashinfer import (
+    _seq_lens_sum,
+    _view_cache,
+    active_runtime,
+    compact,
+    decode_has_sparse,
+    decode_stage_views,
+    extend_needs_view,
+    extend_stage_slots,
+    stages_after_first,
+    write_kv,
+)
+from uniprefill_sglang.context import current
+from uniprefill_sglang.runtime import get_runtime
+
+
+class _State:
+    def __init__(self):
+        self.graph_indptr: Optional[Dict[int, torch.Tensor]] = None
+        self.graph_indices: Optional[Dict[int, torch.Tensor]] = None
+        self.graph_splits: Optional[Dict[int, torch.Tensor]] = None
+
+
+def _state(backend) -> _State:
+    st = backend.__dict__.get("_uniprefill_state")
+    if st is None:
+        st = _State()
+        backend._uniprefill_state = st
+    return st
+
+
+def _supported(backend) -> bool:
+    if backend.page_size != 1:
+        raise RuntimeError("--enable-uniprefill with the Triton backend needs --page-size 1")
+    return (
+        backend.dcp_size == 1
+        and not backend.use_mla
+        and not backend.enable_deterministic
+        and backend._translate_kv_loc is None
+        and not backend.use_sliding_window_kv_pool
+        and backend.sliding_window_size is None
+    )
+
+
+# ---- extend ----------------------------------------------------------------------------------
+def _extend_view(backend, runtime, ctx, fb, stage: int):
+    cache = _view_cache(ctx, "_uniprefill_triton_views")
+    view = cache.get(stage)
+    if view is not None:
+        return view
+    bs = fb.req_pool_indices.shape[0]
+    device = fb.req_pool_indices.device
+    slots, row, valid = extend_stage_slots(runtime, backend.req_to_token, fb, stage)
+    lens = torch.tensor(ctx.lens, dtype=torch.int64, device=device)
+    # The survivors are the last lens[b] valid slots of request b: keep the ones before them.
+    counts = torch.zeros(bs, dtype=torch.int64, device=device)
+    if slots.numel():
+        counts.index_add_(0, row, valid.to(torch.int64))
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.cumsum(valid, 0) - 1 - start[row]
+    keep = valid & (rank < (counts - lens)[row])
+    _, kv_indptr, kv_indices = compact(slots, row, keep, bs, dtype=torch.int64)
+    qo_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lens, 0, out=qo_indptr[1:])
+    view = (kv_indptr, kv_indices, qo_indptr, max(ctx.lens))
+    cache[stage] = view
+    return view
+
+
+def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
+                   *args, **kwargs):
+    """AROUND `TritonAttnBackend.forward_extend`."""
+    runtime, ctx = active_runtime(), current()
+    if (not extend_needs_view(ctx, runtime, layer) or k is None or v is None
+            or kwargs.get("score_mod") is not None or not _supported(backend)):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    stage = runtime.stages.stage(layer.layer_id)
+    kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(
+        backend, runtime, ctx, forward_batch, stage
+    )
+    if save_kv_cache:
+        if layer.k_scale is None:
+            write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k, v)
+        else:
+            write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k.clone(), v.clone(),
+                     layer.k_scale, layer.v_scale)
+    meta = backend.forward_metadata
+    saved = (meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len)
+    meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len = (
+        kv_indptr, kv_indices, qo_indptr, max_extend_len
+    )
+    try:
+        # KV already written above, at the survivors' slots.
+        return original(backend, q, k, v, layer, forward_batch, False, *args, **kwargs)
+    finally:
+        meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len = saved
+
+
+# ---- decode ----------------------------------------------------------------------------------
+def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    """AROUND `TritonAttnBackend.forward_decode`: the layer's stage view, when one is set."""
+    meta = backend.forward_metadata
+    views = getattr(meta, "uniprefill_stages", None)
+    runtime = get_runtime()
+    view = views.get(runtime.stages.stage(layer.layer_id)) if views and runtime else None
+    if view is None:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    saved = (meta.kv_indptr, meta.kv_indices, meta.num_kv_splits)
+    meta.kv_indptr, meta.kv_indices, meta.num_kv_splits = view
+    try:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    finally:
+        meta.kv_indptr, meta.kv_indices, meta.num_kv_splits = saved
+
+
+def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
+    """AROUND `TritonAttnBackend.init_forward_metadata`: per-stage views of a decode batch
+    holding a request with sparse KV."""
+    result = original(backend, forward_batch, *args, **kwargs)
+    runtime, ctx = active_runtime(), current()
+    fb = forward_batch
+    if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
+            or not decode_has_sparse(ctx) or not _supported(backend)):
+        return result
+    bs = fb.req_pool_indices.shape[0]
+    stages = stages_after_first(runtime)
+    views = decode_stage_views(runtime, backend.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                               _seq_lens_sum(fb), bs, stages, dtype=torch.int64)
+    out = {}
+    for s in stages:
+        counts, indptr, indices = views[s]
+        splits = torch.empty(bs, dtype=torch.int32, device=counts.device)
+        backend.get_num_kv_splits(splits, counts)
+        out[s] = (indptr, indices, splits)
+    backend.forward_metadata.uniprefill_stages = out
+    return result
+
+
+# ---- decode CUDA graphs ----------------------------------------------------------------------
+def init_cuda_graph_state(result, backend, *args, **kwargs):
+    """AFTER `TritonAttnBackend.init_cuda_graph_state`: per-stage static buffers."""
+    runtime = active_runtime()
+    if runtime is None or not _supported(backend):
+        return result
+    st = _state(backend)
+    stages = stages_after_first(runtime)
+    st.graph_indptr = {s: torch.zeros_like(backend.kv_indptr) for s in stages}
+    st.graph_indices = {s: torch.zeros_like(backend.cuda_graph_kv_indices) for s in stages}
+    st.graph_splits = {s: torch.full_like(backend.cuda_graph_num_kv_splits, backend.max_kv_splits)
+                       for s in stages}
+    return result
+
+
+def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture=False,
+                                    *args, **kwargs):
+    """AROUND `TritonAttnBackend.init_forward_metadata_out_graph`: refill the per-stage buffers
+    of the decode graph (and, at capture, point the captured layers of each stage at them)."""
+    result = original(backend, forward_batch, in_capture, *args, **kwargs)
+    runtime = active_runtime()
+    fb = forward_batch
+    st = _state(backend)
+    if (runtime is None or st.graph_indices is None or fb.spec_info is not None
+            or not fb.forward_mode.is_decode_or_idle()):
+        return result
+    bs = fb.batch_size
+    stages = stages_after_first(runtime)
+    ctx = current()
+    if not in_capture and decode_has_sparse(ctx):
+        raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
+        views = decode_stage_views(
+            runtime, backend.req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
+            _seq_lens_sum(fb), raw_bs, stages,
+            outs=st.graph_indices, indptr_outs=st.graph_indptr,
+        )
+        for s in stages:
+            backend.get_num_kv_splits(st.graph_splits[s][:bs], views[s][0])
+    else:
+        # Every stage sees the whole sequences: copy upstream's dense view.
+        if getattr(fb, "seq_lens_sum", None) is not None:
+            n = int(fb.seq_lens_sum)
+        else:
+            n = int(backend.kv_indptr[bs].item())
+        for s in stages:
+            st.graph_indptr[s][: bs + 1].copy_(backend.kv_indptr[: bs + 1])
+            st.graph_indices[s][:n].copy_(backend.cuda_graph_kv_indices[:n])
+            st.graph_splits[s][:bs].copy_(backend.cuda_graph_num_kv_splits[:bs])
+    if in_capture:
+        backend.forward_metadata.uniprefill_stages = {
+            s: (st.graph_indptr[s][: bs + 1], st.graph_indices[s], st.graph_splits[s])
+            for s in stages
+        }
+    return result
+
+
+def register(register_hook, around, after) -> None:
+    target = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
+    register_hook(f"{target}.forward_extend", forward_extend, around)
+    register_hook(f"{target}.forward_decode", forward_decode, around)
+    register_hook(f"{target}.init_forward_metadata", init_forward_metadata, around)
+    register_hook(f"{target}.init_cuda_graph_state", init_cuda_graph_state, after)
+    register_hook(f"{target}.init_forward_metadata_out_graph", init_forward_metadata_out_graph,
+                  around)
