@@ -77,6 +77,7 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
     gguf = find_smollm2_gguf()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=cache))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
