@@ -14,7 +14,11 @@ def _attach_plan(forward_batch, cls, batch, *args, **kwargs):
 
     runtime = get_runtime()
     forward_batch.uniprefill_plan = None
-    if runtime is None or not is_prefill_mode(batch.forward_mode):
+    if runtime is None:
+        return forward_batch
+    # Host copy of the request rows: decode reads per-request sparsity without a device sync.
+    forward_batch.uniprefill_req_rows = [req.req_pool_idx for req in batch.reqs]
+    if not is_prefill_mode(batch.forward_mode):
         return forward_batch
     forward_batch.uniprefill_plan = plan_batch(batch, runtime.config, runtime.has_schedule)
     return forward_batch

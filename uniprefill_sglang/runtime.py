@@ -44,6 +44,8 @@ class UniPrefillRuntime:
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, req_to_token_pool.req_to_token.shape[0],
                                 stages.num_drops, device)
+        # Host mirror of slots.req_sparse, so decode steps need no device sync to read it.
+        self.req_sparse_host = bytearray(req_to_token_pool.req_to_token.shape[0])
         # Chunked prefill: rid -> ParkedRows; rids whose prompt exceeds the parking budget.
         self.parked: dict = {}
         self.refused_parking: set = set()
@@ -69,7 +71,8 @@ class UniPrefillRuntime:
             ctx.kept.append(list(ctx.lens))
             ctx.sparse = self._prefix_sparsity(fb)
         elif mode.is_decode() and self.has_schedule:
-            ctx.sparse = self.slots.req_sparse[fb.req_pool_indices].tolist()
+            rows = self._host_rows(fb)
+            ctx.sparse = [bool(self.req_sparse_host[r]) for r in rows]
         set_current(ctx)
         return ctx
 
@@ -83,6 +86,16 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             flags = torch.tensor(ctx.sparse, dtype=torch.bool, device=fb.req_pool_indices.device)
             self.slots.req_sparse[fb.req_pool_indices] = flags
+            for row, flag in zip(self._host_rows(fb), ctx.sparse):
+                self.req_sparse_host[row] = flag
+
+    @staticmethod
+    def _host_rows(fb) -> list:
+        """The batch's req-pool rows on the host (attached by the ForwardBatch hook)."""
+        rows = getattr(fb, "uniprefill_req_rows", None)
+        if rows is None or len(rows) != fb.batch_size:
+            rows = fb.req_pool_indices.tolist()
+        return rows
 
     def _prefix_sparsity(self, fb) -> list:
         """Per request: does its cached prefix miss KV in some layer?"""
