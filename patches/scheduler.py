@@ -27,6 +27,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "drop_layers": list(runtime.stages.drop_layers),
         "idle": bool(scheduler.is_fully_idle()),
         "parked_requests": len(runtime.parked),
+        "mixed_forwards": runtime.mixed_forwards,
     }
     return result
 

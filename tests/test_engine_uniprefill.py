@@ -50,18 +50,31 @@ LONG_PROMPTS = [  # about 2.3K and 3.1K tokens
     _prompt(2, 220, "Who walked to the harbour first?"),
 ]
 SHORT_PROMPT = "The capital of France is"
+# Shares no first token with LONG_PROMPTS[0], so serving both at once reuses no cached prefix.
+OTHER_PROMPT = "Harbour log.\n" + LONG_PROMPTS[1]
 PREFIX_DOC = _prompt(7, 180, "")
 PREFIX_QUESTIONS = [" What is the secret word?", " Who found a lantern?"]
 
 
 def _kept(out) -> list:
-    entries = out["meta_info"].get(META)
-    assert entries, f"no {META!r} entry in meta_info: {sorted(out['meta_info'])}"
+    """Kept tokens per stage of the request's (last) prefill forward.
+
+    With mixed batches SGLang also reports the forwards in which the request was a decode row
+    beside someone else's prefill; those are skipped.
+    """
+    entries = [e for e in out["meta_info"].get(META, []) if e["reason"] != "decode"]
+    assert entries, f"no {META!r} prefill entry in meta_info: {out['meta_info']}"
     return entries[-1]["kept_tokens"]
 
 
-def _pool_state(engine) -> dict:
-    return engine.get_server_info()["internal_states"][0][META]
+def _pool_state(engine, timeout_s: float = 30.0) -> dict:
+    """The KV pool accounting once the scheduler is idle (it finishes a request after replying)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = engine.get_server_info()["internal_states"][0][META]
+        if state["idle"] or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
 
 
 def _assert_no_leak(state) -> None:
@@ -131,9 +144,6 @@ def up_run(smollm2_path, dense_run):
             "short": fresh(SHORT_PROMPT, DECODE_48),
         }
         _flush(engine)
-        run["mixed_short"], run["mixed_long"] = _run_together(
-            engine, SHORT_PROMPT, DECODE_48, LONG_PROMPTS[1], GREEDY)
-        _flush(engine)
         run["prefix"] = _prefix_sequence(engine)
         run["pool"] = _pool_state(engine)
         return run
@@ -184,16 +194,6 @@ def test_per_request_disable_and_short_prompts_run_dense(up_run, dense_run):
     short = up_run["short"]["meta_info"][META][0]
     assert short["enabled"] is False and "minimum length" in short["reason"]
     assert up_run["short"]["output_ids"] == dense_run["short"]["output_ids"]
-
-
-def test_mixed_prefill_decode_batch_matches_each_alone(up_run, dense_run):
-    # The long prompt was prefilled in a mixed batch beside the short request's decode: SGLang
-    # then reports that forward for the short request too, as a decode row.
-    reasons = [e["reason"] for e in up_run["mixed_short"]["meta_info"][META]]
-    assert "decode" in reasons, reasons
-    assert up_run["mixed_short"]["output_ids"] == dense_run["short"]["output_ids"]
-    assert _kept(up_run["mixed_long"]) == _kept(up_run["p099"][1])
-    assert up_run["mixed_long"]["output_ids"] == up_run["p099"][1]["output_ids"]
 
 
 def test_prefix_reuse_matches_a_fresh_engine(up_run, fresh_prefix_run):
@@ -250,7 +250,9 @@ def chunked_run(smollm2_path, fresh_prefix_run):
             _flush(engine)
             run["alone"].append(engine.generate(prompt, GREEDY))
         _flush(engine)
-        run["together"] = engine.generate(LONG_PROMPTS, GREEDY)
+        run["alone_b"] = engine.generate(OTHER_PROMPT, GREEDY)
+        _flush(engine)
+        run["together"] = engine.generate([LONG_PROMPTS[0], OTHER_PROMPT], GREEDY)
         _flush(engine)
         run["aborted"] = _abort_mid_prefill(engine, LONG_PROMPTS[1] + " Think twice.")
         run["pool_after_abort"] = _pool_state(engine)
@@ -260,6 +262,11 @@ def chunked_run(smollm2_path, fresh_prefix_run):
         _flush(engine)
         run["logprobs"] = engine.generate(LONG_PROMPTS[0], GREEDY, return_logprob=True,
                                           logprob_start_len=0)
+        _flush(engine)
+        mixed_before = _pool_state(engine)["mixed_forwards"]
+        run["mixed_short"], run["mixed_long"] = _run_together(
+            engine, SHORT_PROMPT, DECODE_48, LONG_PROMPTS[1], GREEDY)
+        run["mixed_forwards"] = _pool_state(engine)["mixed_forwards"] - mixed_before
         return run
     finally:
         engine.shutdown()
@@ -273,7 +280,8 @@ def test_chunked_prefill_keeps_what_unchunked_keeps(chunked_run, up_run):
 
 
 def test_two_chunked_requests_in_flight_do_not_disturb_each_other(chunked_run):
-    for together, alone in zip(chunked_run["together"], chunked_run["alone"]):
+    alones = [chunked_run["alone"][0], chunked_run["alone_b"]]
+    for together, alone in zip(chunked_run["together"], alones):
         assert _kept(together) == _kept(alone)
         assert together["output_ids"] == alone["output_ids"]
 
@@ -283,6 +291,14 @@ def test_aborted_chunked_request_frees_every_slot(chunked_run):
     _assert_no_leak(chunked_run["pool_after_abort"])
     _assert_no_leak(chunked_run["pool"])
     assert chunked_run["after_abort"]["output_ids"] == chunked_run["alone"][0]["output_ids"]
+
+
+def test_mixed_prefill_decode_batch_matches_each_alone(chunked_run, dense_run):
+    # The long prompt's chunks were prefilled in mixed batches beside the short request's decode.
+    assert chunked_run["mixed_forwards"] > 0
+    assert chunked_run["mixed_short"]["output_ids"] == dense_run["short"]["output_ids"]
+    assert _kept(chunked_run["mixed_long"]) == _kept(chunked_run["alone"][1])
+    assert chunked_run["mixed_long"]["output_ids"] == chunked_run["alone"][1]["output_ids"]
 
 
 def test_input_logprobs_fall_back_to_dense(chunked_run):

@@ -50,6 +50,7 @@ class UniPrefillRuntime:
         self.parked: dict = {}
         self.refused_parking: set = set()
         self.can_park = False  # set once the model integration can park at the first drop
+        self.mixed_forwards = 0  # prefill forwards that carried decode rows (observability)
 
     @property
     def has_schedule(self) -> bool:
@@ -64,6 +65,8 @@ class UniPrefillRuntime:
         is_extend = is_prefill_mode(mode) and fb.extend_seq_lens_cpu is not None
         ctx = DropContext(plan=plan, forward_batch=fb, is_extend=is_extend)
         if is_extend:
+            if plan is not None and any(d.reason == "decode" for d in plan.decisions):
+                self.mixed_forwards += 1
             ctx.positions = fb.positions
             ctx.out_cache_loc = fb.out_cache_loc
             ctx.lens = list(fb.extend_seq_lens_cpu)
