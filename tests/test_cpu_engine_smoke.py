@@ -58,7 +58,7 @@ def test_short_greedy_generation(dense):
 
 
 def test_2k_prompt(dense, tokenizer):
-    prompt = _long_text(420, seed=2) + "\n\nWhich vehicle is red?"
+    prompt = _long_text(315, seed=2) + "\n\nWhich vehicle is red?"
     n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     assert 1800 <= n <= 2300, n
     out = dense.generate(prompt, GREEDY)
