@@ -13,13 +13,22 @@ What SGLang's CPU path needs (found by running it):
 * ``device="cpu"``, ``attention_backend="torch_native"``; CUDA graphs are switched off anyway
   (we pass ``disable_cuda_graph=True`` to say so).
 * An explicit ``dtype``: with ``dtype="auto"`` SGLang turns a float32 checkpoint into **float16**,
-  and float16 matmuls on a CPU without AMX-FP16 are ~5-10x slower than float32 here. We default to
-  ``"float32"`` (exact dequantised GGUF weights, deterministic-enough greedy outputs for A/B
-  comparisons); ``"bfloat16"`` is ~2x faster in raw matmuls on this AVX512-BF16 box but noisier.
+  and float16 matmuls on this CPU (AVX512-BF16, no AMX-FP16) are 4-6x slower than float32. We
+  default to ``"float32"`` (the exact dequantised GGUF weights; stable greedy outputs for A/B
+  comparisons). ``"bfloat16"`` is ~1.4x faster end to end (prefill 2K/4K/6K tokens: 3.1/8.5/15 s
+  against 4.3/11.3/21 s for float32 on 2 idle cores); it got its 3 pass-key probes right too.
 * ``max_total_tokens`` explicitly (otherwise SGLang sizes the KV pool from a fraction of host RAM).
 * Nothing else: no ``SGLANG_CPU_OMP_THREADS_BIND`` (without AMX SGLang skips its thread binding
   and only logs a warning), no warm-up switch (``Engine`` does not warm up; only the HTTP server
   does), no tokenizer settings.
+
+Caveats: x86 only (on arm64 SGLang calls ``torch.ops.sgl_kernel.init_cpu_threads_env``, which the
+stub cannot provide; on AMX machines SGLang checks ``torch.ops.sgl_kernel.convert_weight_packed``
+first, so the stub keeps the plain-torch path). One engine is ~5 GB of RSS over its three
+processes (fp32, 32K-token KV pool): several engines at once on a 24 GB box get OOM-killed.
+torch_native's extend recomputes attention for the cached prefix rows too (it pads the query to
+the full sequence), so a 1-token extend after a cached 4K prefix costs about a 4K prefill's
+attention; decode is ~0.15 s/token at 2-6K context.
 """
 
 from __future__ import annotations
