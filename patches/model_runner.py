@@ -30,13 +30,9 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     architectures = getattr(hf_config, "architectures", None) or []
     drop_layers = validate_for_model(config, architectures, num_layers)
     stages = LayerStages(drop_layers, num_layers)
-    tp_group = None
-    if model_runner.ps.tp_size > 1:
-        from sglang.srt.distributed import get_tp_group
-
-        tp_group = get_tp_group()
     runtime = UniPrefillRuntime(config, stages, model_runner.req_to_token_pool,
-                                model_runner.token_to_kv_pool, model_runner.device, tp_group)
+                                model_runner.token_to_kv_pool, model_runner.device,
+                                _tp_agreement(model_runner))
     if drop_layers and not model_integration.install(model_runner.model, runtime):
         log_fallback_once(f"model {type(model_runner.model).__name__} has no decoder-layer list")
         runtime.stages = LayerStages((), num_layers)
@@ -45,6 +41,19 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
     set_runtime(runtime)
     return result
+
+
+def _tp_agreement(model_runner):
+    """Attention heads split over ranks: each scores with its own heads (tp_agreement.py)."""
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    from uniprefill_sglang.tp_agreement import TPScoreAgreement
+
+    group = get_attn_tp_group()
+    if group.world_size == 1:
+        return None
+    logger.info("UniPrefill: scores summed over the attention TP group %s", group.ranks)
+    return TPScoreAgreement.from_group_coordinator(group)
 
 
 def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs):

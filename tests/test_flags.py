@@ -97,6 +97,9 @@ def test_cli_accepts_the_flags(smollm2_path):
         (["--uniprefill-top-p", "1.5"], "--uniprefill-top-p must be in \\(0, 1\\]"),
         (["--uniprefill-drop-layers", "7,40"], "layer 40 is out of range"),
         (["--attention-backend", "flex_attention"], "does not support --attention-backend flex_attention"),
+        (["--pp-size", "2"], "does not support --pp-size > 1"),
+        (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+         "cannot be combined with --enable-dp-attention"),
     ],
 )
 def test_cli_refuses_invalid_flags(smollm2_path, extra, message):

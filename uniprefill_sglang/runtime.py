@@ -18,6 +18,7 @@ from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, set_current
 from uniprefill_sglang.kv_validity import LayerStages, SlotStages
 from uniprefill_sglang.request_plan import is_prefill_mode, log_fallback_once
+from uniprefill_sglang.tp_agreement import check_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,14 @@ def set_runtime(runtime: Optional["UniPrefillRuntime"]) -> None:
 
 class UniPrefillRuntime:
     def __init__(self, config: UniPrefillConfig, stages: LayerStages, req_to_token_pool,
-                 token_to_kv_pool, device, tp_group=None):
+                 token_to_kv_pool, device, tp_agreement=None):
         self.config = config
         self.stages = stages
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
-        self.tp_group = tp_group  # scores are summed over it before selection
+        # TPScoreAgreement when attention heads are split over ranks (tp_agreement.py).
+        self.tp_agreement = tp_agreement
+        self.check_tp = tp_agreement is not None and check_enabled()
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, req_to_token_pool.req_to_token.shape[0],
                                 stages.num_drops, device)
@@ -240,9 +243,9 @@ class UniPrefillRuntime:
                 torch.cat(k_slots), torch.cat(k_pos),
                 torch.tensor(k_indptr, dtype=torch.int32, device=device), layer.scaling,
             )
-            if self.tp_group is not None:
-                # Each rank scored its own heads: sum them so every rank keeps the same tokens.
-                scores = self.tp_group.all_reduce(scores)
+            if self.tp_agreement is not None:
+                # Each rank scored its own heads: every rank selects from the same summed bits.
+                scores = self.tp_agreement.reduce_scores(scores)
             ds = [decisions[b] for b, _ in scored]
             keep_idx, new_counts = kernels.select_tokens(
                 scores, torch.cat(k_pos), torch.tensor(k_indptr, dtype=torch.int32, device=device),
@@ -252,6 +255,8 @@ class UniPrefillRuntime:
                              device=device),
                 cfg.sink_tokens, cfg.last_queries,
             )
+            if self.check_tp:
+                self.tp_agreement.verify(keep_idx, new_counts)
             keep_mask[cand_src_t] = False
             keep_mask[cand_src_t[keep_idx]] = True
             # Dropped rows keep KV for the layers up to this one only; parked rows that

@@ -113,6 +113,22 @@ class UniPrefillServerArgs(ServerArgs):
                 "--enable-uniprefill cannot be combined with --speculative-algorithm "
                 f"{self.speculative_algorithm}: draft verification does not read per-stage KV"
             )
+        if self.enable_dp_attention:
+            raise UniPrefillConfigError(
+                "--enable-uniprefill cannot be combined with --enable-dp-attention: data-parallel "
+                "attention gathers token counts fixed before the forward, and a drop changes them"
+            )
+        if self.pp_size > 1:
+            raise UniPrefillConfigError(
+                "--enable-uniprefill does not support --pp-size > 1: the survivors of a drop "
+                "would have to travel between pipeline stages (use --tp-size)"
+            )
+        for flag, size in (("--attn-cp-size", self.attn_cp_size), ("--dcp-size", self.dcp_size)):
+            if size > 1:
+                raise UniPrefillConfigError(
+                    f"--enable-uniprefill does not support {flag} > 1: a rank holding part of a "
+                    "prompt cannot score it with the prompt's last queries"
+                )
         for flag, value in (
             ("--attention-backend", self.attention_backend),
             ("--prefill-attention-backend", self.prefill_attention_backend),
