@@ -51,6 +51,88 @@ def flop_ideal_speedup(kept: list, drop_layers: list, cfg: dict) -> float:
     return dense / sparse
 
 
+def engine_kwargs_for(args, lengths) -> dict:
+    kwargs = dict(
+        model_path=args.model_path, load_format="dummy", enable_uniprefill=True,
+        attention_backend=args.attention_backend, disable_radix_cache=True,
+        context_length=max(lengths) + 64, mem_fraction_static=args.mem_fraction_static,
+        cuda_graph_backend_prefill="disabled", log_level="error", random_seed=0,
+        cuda_graph_max_bs_decode=16,  # decode graphs only for the ITL probe: start faster
+        tp_size=args.tp_size,
+        skip_tokenizer_init=True,  # token ids in, token ids out: the folder needs no tokenizer
+    )
+    if args.chunked_prefill_size != "default":  # else SGLang's own choice for this GPU
+        kwargs["chunked_prefill_size"] = int(args.chunked_prefill_size)
+        if int(args.chunked_prefill_size) < 0:
+            kwargs["max_prefill_tokens"] = max(lengths) + 64
+    if args.drop_layers:
+        kwargs["uniprefill_drop_layers"] = args.drop_layers
+    if args.device != "cuda":  # a smoke run of this script on SGLang's CPU engine
+        kwargs.update(device=args.device, attention_backend="torch_native")
+    return kwargs
+
+
+class Runner:
+    """Sends measured requests to one engine; every prompt is fresh random ids (no reuse)."""
+
+    def __init__(self, engine, vocab: int, context_length: int):
+        self.engine = engine
+        self.probe_tokens = min(30000, context_length - 200)
+        self.vocab = vocab
+        self.gen = torch.Generator().manual_seed(0)
+        self.n = 0
+
+    def ids(self, length: int) -> list:
+        return torch.randint(100, self.vocab - 100, (length,), generator=self.gen).tolist()
+
+    def batch(self, length: int, custom: dict, concurrency: int, itl_probe: bool = False):
+        """`concurrency` requests at once; per-request TTFTs (s), their meta, and the ITLs (s) of
+        a short request that was decoding while they prefilled (if itl_probe)."""
+        return self.engine.loop.run_until_complete(
+            self._batch(length, custom, concurrency, itl_probe))
+
+    async def _batch(self, length, custom, concurrency, itl_probe):
+        import asyncio
+
+        params = {"max_new_tokens": 1, "temperature": 0.0, "custom_params": custom}
+        probe = stamps = None
+        if itl_probe:
+            self.n += 1
+            probe_rid = f"itl-probe-{self.n}"
+            probe = await self.engine.async_generate(
+                input_ids=self.ids(128), rid=probe_rid, stream=True,
+                sampling_params={"max_new_tokens": self.probe_tokens, "temperature": 0.0,
+                                 "ignore_eos": True})
+            stamps = []
+            for _ in range(3):  # it is decoding now
+                await probe.__anext__()
+
+            async def follow():
+                async for _ in probe:
+                    stamps.append(time.perf_counter())
+
+            follower = asyncio.ensure_future(follow())
+        start = time.perf_counter()
+
+        async def one():
+            out = await self.engine.async_generate(input_ids=self.ids(length),
+                                                   sampling_params=params)
+            return time.perf_counter() - start, out["meta_info"].get("uniprefill", [{}])[-1]
+
+        results = await asyncio.gather(*[one() for _ in range(concurrency)])
+        end = time.perf_counter()
+        itls = []
+        if itl_probe:
+            self.engine.tokenizer_manager.abort_request(probe_rid)
+            try:
+                await asyncio.wait_for(follower, 30)
+            except Exception:
+                follower.cancel()
+            inside = [t for t in stamps if t <= end]
+            itls = [b - a for a, b in zip(inside, inside[1:])]
+        return [r[0] for r in results], [r[1] for r in results], itls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
@@ -58,80 +140,94 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=["0.3", "0.5", "0.7", "0.9", "0.5,0.8"],
                     help="keep-ratio schedules, one ratio per drop (the last repeats)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrency", default="1",
+                    help="comma-separated: requests sent at once; TTFT is their mean")
     ap.add_argument("--attention-backend", default="flashinfer")
-    ap.add_argument("--chunked-prefill-size", type=int, default=-1,
-                    help="-1: one prefill step per prompt (static latency)")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument("--chunked-prefill-size", default="-1",
+                    help="-1: one prefill step per prompt (static latency); 'default': SGLang's")
+    ap.add_argument("--itl-probe", action="store_true",
+                    help="a short request decodes alongside each measurement; report its ITL")
     ap.add_argument("--drop-layers", default=None)
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     import os
+
+    if args.device == "cpu":
+        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+
+        activate_cpu_engine_env()
 
     # A 131072-token prompt plus its output exceeds Llama-3.1's 131072 positions by a few.
     os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     import sglang
 
     lengths = [int(x) for x in args.lengths.split(",")]
+    concurrencies = [int(x) for x in args.concurrency.split(",")]
     cfg = json.load(open(f"{args.model_path}/config.json"))
-    engine_kwargs = dict(
-        model_path=args.model_path, load_format="dummy", enable_uniprefill=True,
-        attention_backend=args.attention_backend, disable_radix_cache=True,
-        chunked_prefill_size=args.chunked_prefill_size, context_length=max(lengths) + 64,
-        max_prefill_tokens=max(lengths) + 64, mem_fraction_static=0.8,
-        cuda_graph_backend_prefill="disabled", log_level="error", random_seed=0,
-        skip_tokenizer_init=True,  # token ids in, token ids out: the folder needs no tokenizer
-    )
-    if args.drop_layers:
-        engine_kwargs["uniprefill_drop_layers"] = args.drop_layers
-    engine = sglang.Engine(**engine_kwargs)
-    info = engine.get_server_info()["internal_states"][0]["uniprefill"]
+    engine = sglang.Engine(**engine_kwargs_for(args, lengths))
+    server = engine.get_server_info()
+    info = server["internal_states"][0]["uniprefill"]
     drop_layers = info["drop_layers"]
-    vocab = cfg["vocab_size"]
-    gen = torch.Generator().manual_seed(0)
-
-    def run(length: int, custom: dict):
-        ids = torch.randint(100, vocab - 100, (length,), generator=gen).tolist()
-        start = time.perf_counter()
-        out = engine.generate(input_ids=ids, sampling_params={
-            "max_new_tokens": 1, "temperature": 0.0, "custom_params": custom})
-        return time.perf_counter() - start, out["meta_info"].get("uniprefill", [{}])[-1]
-
+    setup = {"drop_layers": drop_layers, "backend": server.get("attention_backend"),
+             "tp_size": args.tp_size, "chunked_prefill_size": server.get("chunked_prefill_size"),
+             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+             "sglang": sglang.__version__}
+    runner = Runner(engine, cfg["vocab_size"], max(lengths) + 64)
     rows = []
-    print(f"drop layers {drop_layers}, backend {args.attention_backend}, "
-          f"GPU {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
-    print("| length | schedule | dense s | UniPrefill s | speedup | FLOP-ideal | of ideal | kept after last drop |")
-    print("|---|---|---|---|---|---|---|---|")
+
+    def save():
+        if args.out:  # keep what was measured even if a later length does not finish
+            with open(args.out, "w") as f:
+                json.dump({**setup, "rows": rows}, f, indent=1)
+
+    print(setup)
+    print("| length | conc | schedule | dense s | UniPrefill s | speedup | FLOP-ideal | of ideal "
+          "| kept after last drop | ITL dense ms (mean/max) | ITL UniPrefill ms (mean/max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    off = {"uniprefill": False}
     for length in lengths:
-        run(length, {"uniprefill": False})  # warm-up for this shape
-        dense_times = []
-        for schedule in args.schedules:
-            custom = {"uniprefill_keep_ratio": schedule}
-            run(length, custom)  # warm-up
-            up_times, kept = [], None
-            for _ in range(args.repeats):  # alternate so drift hits both alike
-                dense_times.append(run(length, {"uniprefill": False})[0])
-                t, meta = run(length, custom)
-                up_times.append(t)
-                kept = meta.get("kept_tokens")
-            dense = statistics.median(dense_times)
-            up = statistics.median(up_times)
-            ideal = flop_ideal_speedup(kept, drop_layers, cfg)
-            row = dict(length=length, schedule=schedule, dense_s=dense, uniprefill_s=up,
-                       speedup=dense / up, flop_ideal=ideal, kept=kept,
-                       kept_fraction=kept[-1] / kept[0])
-            rows.append(row)
-            print(f"| {length} | {schedule} | {dense:.3f} | {up:.3f} | {dense / up:.2f}x | "
-                  f"{ideal:.2f}x | {dense / up / ideal:.0%} | {kept[-1] / kept[0]:.0%} |",
-                  flush=True)
-            if args.out:  # keep what was measured even if a later length does not finish
-                with open(args.out, "w") as f:
-                    json.dump({"drop_layers": drop_layers, "backend": args.attention_backend,
-                               "rows": rows}, f, indent=1)
+        for conc in concurrencies:
+            runner.batch(length, off, 1)  # warm-up for this shape
+            for schedule in args.schedules:
+                custom = {"uniprefill_keep_ratio": schedule}
+                runner.batch(length, custom, 1)  # warm-up
+                dense_t, up_t, itl_d, itl_u, kept = [], [], [], [], []
+                for _ in range(args.repeats):  # alternate so drift hits both alike
+                    t, _, itl = runner.batch(length, off, conc, args.itl_probe)
+                    dense_t.append(statistics.mean(t)), itl_d.extend(itl)
+                    t, metas, itl = runner.batch(length, custom, conc, args.itl_probe)
+                    up_t.append(statistics.mean(t)), itl_u.extend(itl)
+                    kept = [m.get("kept_tokens") for m in metas]
+                dense, up = statistics.median(dense_t), statistics.median(up_t)
+                ideal = flop_ideal_speedup(kept[0], drop_layers, cfg)
+                frac = sum(k[-1] for k in kept) / sum(k[0] for k in kept)
+                row = dict(length=length, concurrency=conc, schedule=schedule, dense_s=dense,
+                           uniprefill_s=up, speedup=dense / up, flop_ideal=ideal,
+                           kept=kept[0], kept_fraction=frac)
+                itl_cols = ""
+                if args.itl_probe:
+                    row.update(itl_dense_ms=_ms(itl_d), itl_uniprefill_ms=_ms(itl_u))
+                    itl_cols = (f" {row['itl_dense_ms']['mean']:.1f} / {row['itl_dense_ms']['max']:.0f} |"
+                                f" {row['itl_uniprefill_ms']['mean']:.1f} / "
+                                f"{row['itl_uniprefill_ms']['max']:.0f} |")
+                rows.append(row)
+                print(f"| {length} | {conc} | {schedule} | {dense:.3f} | {up:.3f} | "
+                      f"{dense / up:.2f}x | {ideal:.2f}x | {dense / up / ideal:.0%} | "
+                      f"{frac:.0%} |{itl_cols}", flush=True)
+                save()
     engine.shutdown()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"drop_layers": drop_layers, "backend": args.attention_backend,
-                       "rows": rows}, f, indent=1)
+    save()
+
+
+def _ms(gaps: list) -> dict:
+    if not gaps:
+        return {"mean": float("nan"), "max": float("nan"), "n": 0}
+    return {"mean": 1e3 * statistics.mean(gaps), "max": 1e3 * max(gaps),
+            "p50": 1e3 * statistics.median(gaps), "n": len(gaps)}
 
 
 if __name__ == "__main__":

@@ -30,11 +30,14 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
                       *args, **kwargs)
     info = []
     for b, decision in enumerate(ctx.plan.decisions):
-        info.append({
+        entry = {
             "enabled": decision.enabled,
             "reason": decision.reason,
             "kept_tokens": [stage_lens[b] for stage_lens in ctx.kept],
-        })
+        }
+        if ctx.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
+            entry["kept_digest"] = [stage[b] for stage in ctx.kept_digest]
+        info.append(entry)
     if output.customized_info is None:
         output.customized_info = {}
     output.customized_info[META_KEY] = info

@@ -28,6 +28,8 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "idle": bool(scheduler.is_fully_idle()),
         "parked_requests": len(runtime.parked),
         "mixed_forwards": runtime.mixed_forwards,
+        "scored_tokens": runtime.scored_tokens,
+        "kept_tokens": runtime.kept_tokens,
     }
     return result
 

@@ -37,6 +37,8 @@ class DropContext:
     # kept[k][b]: rows of request b entering stage k (kept[0] = the tokens scored at the first
     # drop: the step's new tokens plus any parked by earlier chunks).
     kept: List[List[int]] = dataclasses.field(default_factory=list)
+    # kept_digest[k][b]: fingerprint of request b's positions after drop k (debug, runtime.py).
+    kept_digest: List[List[int]] = dataclasses.field(default_factory=list)
     # Chunked prefill (runtime.py): rows parked from earlier chunks joining at the first drop
     # (gathered after the current rows), and rows of this step to park.
     extra_hidden: Optional[torch.Tensor] = None

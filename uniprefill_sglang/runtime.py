@@ -9,6 +9,7 @@ and closes the context.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -44,6 +45,9 @@ class UniPrefillRuntime:
         # TPScoreAgreement when attention heads are split over ranks (tp_agreement.py).
         self.tp_agreement = tp_agreement
         self.check_tp = tp_agreement is not None and check_enabled()
+        # Debug: report a fingerprint of each request's kept positions per stage, so runs can
+        # be compared token for token (TP=1 vs TP=2); one host sync per drop.
+        self.report_kept_positions = os.environ.get("UNIPREFILL_REPORT_KEPT", "0") == "1"
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, req_to_token_pool.req_to_token.shape[0],
                                 stages.num_drops, device)
@@ -54,6 +58,10 @@ class UniPrefillRuntime:
         self.refused_parking: set = set()
         self.can_park = False  # set once the model integration can park at the first drop
         self.mixed_forwards = 0  # prefill forwards that carried decode rows (observability)
+        # Prompt tokens that reached a drop with UniPrefill on, and how many of them were left
+        # after the last drop (cumulative; the keep ratio a server realised, e.g. under load).
+        self.scored_tokens = 0
+        self.kept_tokens = 0
 
     @property
     def has_schedule(self) -> bool:
@@ -89,11 +97,20 @@ class UniPrefillRuntime:
             self.slots.mark_dropped(slots, 0)
         for rid in ctx.finished_parking:
             self.forget(rid)
+        if ctx.is_extend and ctx.plan is not None and len(ctx.kept) > 1:
+            self._count_kept(ctx)
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             flags = torch.tensor(ctx.sparse, dtype=torch.bool, device=fb.req_pool_indices.device)
             self.slots.req_sparse[fb.req_pool_indices] = flags
             for row, flag in zip(self._host_rows(fb), ctx.sparse):
                 self.req_sparse_host[row] = flag
+
+    def _count_kept(self, ctx: DropContext) -> None:
+        """Count the requests that went through every drop (not the chunks that parked)."""
+        for b, d in enumerate(ctx.plan.decisions):
+            if d.enabled and not (d.park and d.rid in self.parked):
+                self.scored_tokens += ctx.kept[0][b]
+                self.kept_tokens += ctx.kept[-1][b]
 
     @staticmethod
     def _host_rows(fb) -> list:
@@ -146,6 +163,11 @@ class UniPrefillRuntime:
 
     # ---- the drop ----------------------------------------------------------------------
     def drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
+        self._drop(ctx, layer, q)
+        if self.report_kept_positions:
+            ctx.kept_digest.append(position_digest(ctx))
+
+    def _drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
         """At a drop layer, after its attention: keep the top blocks of each enabled request.
 
         At the first drop layer this also parks non-final chunks (all their rows stop here but
@@ -309,6 +331,16 @@ class UniPrefillRuntime:
         ctx.park_sink = self._park
         ctx.pending_rows = rows
         ctx.compacted = True
+
+
+def position_digest(ctx: DropContext) -> list:
+    """Per request, a fingerprint of the positions that survive the current drop."""
+    pos = ctx.positions.to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(ctx.lens), device=pos.device),
+                                  torch.tensor(ctx.lens, device=pos.device))
+    digest = torch.zeros(len(ctx.lens), dtype=torch.int64, device=pos.device)
+    digest.index_add_(0, seg, pos * pos % 1000003 + pos)
+    return digest.tolist()
 
 
 def starts_lens(starts, ctx, total):

@@ -80,7 +80,9 @@ WORKLOAD_TIMEOUT_S = 120
 
 
 # ---- the model ---------------------------------------------------------------------------------
-def build_model(folder: Path, seed: int = 0) -> str:
+def build_model(folder: Path, seed: int = 0, qk_std: float = 0.0, max_positions: int = 4096) -> str:
+    """qk_std > 0: random q/k projections instead of zeros, so attention (and the UniPrefill
+    scores) depend on the tokens' content; kernels then agree only within bf16 noise."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -96,7 +98,7 @@ def build_model(folder: Path, seed: int = 0) -> str:
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -126,8 +128,9 @@ def build_model(folder: Path, seed: int = 0) -> str:
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(H)
         w[p + "post_attention_layernorm.weight"] = torch.ones(H)
-        w[p + "self_attn.q_proj.weight"] = torch.zeros(HEADS * HEAD_DIM, H)
-        w[p + "self_attn.k_proj.weight"] = torch.zeros(KV_HEADS * HEAD_DIM, H)
+        for name, rows in (("q_proj", HEADS * HEAD_DIM), ("k_proj", KV_HEADS * HEAD_DIM)):
+            w[p + f"self_attn.{name}.weight"] = (
+                randn(rows, H, std=qk_std) if qk_std else torch.zeros(rows, H))
         v = randn(KV_HEADS * HEAD_DIM, H, std=1 / math.sqrt(E))
         v[:, E:] *= 0.2  # V mostly token-specific, partly carrying earlier layers' outputs
         w[p + "self_attn.v_proj.weight"] = v
@@ -150,7 +153,7 @@ def build_model(folder: Path, seed: int = 0) -> str:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": "t0", "bos_token": "t1", "eos_token": "t2", "pad_token": "t0",
-        "model_max_length": 4096,
+        "model_max_length": max_positions,
     }))
     (folder / "special_tokens_map.json").write_text(json.dumps({
         "unk_token": "t0", "bos_token": "t1", "eos_token": "t2", "pad_token": "t0",

@@ -1,0 +1,166 @@
+"""Chunked prefill on the GPU: the kept tokens and greedy outputs do not depend on the chunking.
+
+Skipped without CUDA. Run in a pytest process of its own:
+
+    pytest tests/gpu/test_chunked_gpu.py -x -q
+
+The model is test_backends_gpu.py's 6-layer Llama with random q/k projections (`qk_std`), so the
+UniPrefill scores depend on the tokens' content. Prompts of 2K-6K tokens run on FlashInfer and
+on Triton with chunked prefill off (one step) and at 256 tokens (the earlier chunks park at the
+first drop and the final chunk scores every prompt token with the prompt's last queries). All
+engines report a fingerprint of each request's kept positions per stage (UNIPREFILL_REPORT_KEPT=1).
+
+FlashInfer computes a chunk's attention over the cached prefix and over the chunk itself in two
+passes and merges them, so chunked and unchunked hidden states agree within bf16 rounding, not
+bit for bit: the test asks for the same kept positions and tokens on nearly every request and
+prints the agreement. The bit-exact version of this test runs on the CPU (float32,
+tests/test_engine_uniprefill.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_backends_gpu import (  # noqa: E402
+    _cuda_available, _engine_env, _flush, _prompt, _record, build_model,
+)
+
+ENGINE_KWARGS = dict(
+    enable_uniprefill=True,
+    uniprefill_keep_ratio=0.5,
+    uniprefill_drop_layers="1,3",
+    uniprefill_last_queries=64,
+    dtype="bfloat16",
+    context_length=8192,
+    max_running_requests=8,
+    mem_fraction_static=0.2,
+    random_seed=0,
+    log_level="info",
+)
+ENGINES = {
+    "fi_whole": dict(attention_backend="flashinfer", chunked_prefill_size=8192),
+    "fi_chunked": dict(attention_backend="flashinfer", chunked_prefill_size=256),
+    "tr_whole": dict(attention_backend="triton", chunked_prefill_size=8192),
+    "tr_chunked": dict(attention_backend="triton", chunked_prefill_size=256),
+}
+PAIRS = [("fi_whole", "fi_chunked"), ("tr_whole", "tr_chunked")]
+QK_STD = 0.05
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+PROMPTS = [_prompt(300 + i, n) for i, n in enumerate([2048, 2900, 3700, 4500, 5300, 6000])]
+TIMEOUT_S = 300
+
+
+def run_workload(engine) -> dict:
+    res = {}
+    for name, custom in (("keep", {}), ("top_p", {"uniprefill_top_p": 0.9})):
+        res[name] = []
+        for ids in PROMPTS:
+            res[name].append(_record(engine.generate(
+                input_ids=ids, sampling_params=dict(GREEDY, custom_params=custom))))
+            _flush(engine)
+    for _ in range(100):
+        res["state"] = engine.get_server_info()["internal_states"][0].get("uniprefill")
+        if res["state"]["idle"]:
+            break
+        time.sleep(0.1)
+    return res
+
+
+def run_engine(name: str, model_dir: str, out_path: str) -> None:
+    import sglang
+
+    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
+    engine = sglang.Engine(model_path=model_dir, port=33000 + 100 * list(ENGINES).index(name),
+                           **ENGINE_KWARGS, **ENGINES[name])
+    try:
+        res = run_workload(engine)
+    finally:
+        engine.shutdown()
+    Path(out_path).write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def results():
+    if not _cuda_available():
+        pytest.skip("CUDA not available")
+    log_dir = os.environ.get("UNIPREFILL_GPU_TEST_LOG_DIR")
+    with tempfile.TemporaryDirectory(prefix="uniprefill-chunked-") as tmp:
+        tmp = Path(tmp)
+        model_dir = build_model(tmp / "model", qk_std=QK_STD, max_positions=8192)
+        logs = Path(log_dir) if log_dir else tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        env, procs, t0 = _engine_env(tmp), {}, time.time()
+        for name in ENGINES:  # all at once on one GPU: start-up dominates
+            log = open(logs / f"chunked_engine_{name}.log", "w")
+            procs[name] = (subprocess.Popen(
+                [sys.executable, __file__, name, model_dir, str(tmp / f"{name}.json")],
+                stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        out, failed = {}, {}
+        for name, (proc, log) in procs.items():
+            try:
+                rc = proc.wait(timeout=max(1, TIMEOUT_S - (time.time() - t0)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "timeout"
+            log.close()
+            if rc == 0:
+                out[name] = json.loads((tmp / f"{name}.json").read_text())
+            else:
+                failed[name] = f"engine {name} rc {rc}:\n" + (
+                    logs / f"chunked_engine_{name}.log").read_text()[-6000:]
+        if log_dir:
+            (logs / "chunked_results.json").write_text(json.dumps(out))
+        yield out, failed
+
+
+def _get(results, name):
+    out, failed = results
+    if name in failed:
+        pytest.fail(failed[name])
+    return out[name]
+
+
+def _meta(rec) -> dict:
+    return rec["uniprefill"][-1]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
+def test_chunked_keeps_what_unchunked_keeps(results, pair):
+    whole, chunked = (_get(results, n) for n in pair)
+    for variant in ("keep", "top_p"):
+        w = [_meta(r) for r in whole[variant]]
+        c = [_meta(r) for r in chunked[variant]]
+        assert all(m["enabled"] for m in w + c)
+        # The final chunk scored the whole prompt: stage 0 holds every prompt token.
+        assert [m["kept_tokens"][0] for m in c] == [len(p) for p in PROMPTS]
+        assert any(m["kept_tokens"][-1] < m["kept_tokens"][0] for m in c)
+        if variant == "keep":
+            assert [m["kept_tokens"] for m in w] == [m["kept_tokens"] for m in c]
+        same_pos = sum(a["kept_digest"] == b["kept_digest"] for a, b in zip(w, c)) / len(w)
+        same_out = sum(a["output_ids"] == b["output_ids"]
+                       for a, b in zip(whole[variant], chunked[variant])) / len(w)
+        print(f"{pair} {variant}: kept positions equal on {same_pos:.0%}, "
+              f"greedy tokens on {same_out:.0%} of {len(w)} prompts")
+        assert same_pos >= 0.8 and same_out >= 0.8, (variant, same_pos, same_out)
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_no_parked_state_or_slot_left(results, name):
+    state = _get(results, name)["state"]
+    assert state["idle"] and state["parked_requests"] == 0, state
+    assert state["available_kv_tokens"] + state["evictable_kv_tokens"] == \
+        state["max_total_num_tokens"], state
+
+
+if __name__ == "__main__":
+    run_engine(*sys.argv[1:4])
