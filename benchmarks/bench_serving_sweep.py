@@ -119,7 +119,7 @@ def run_bench(server: Server, model: str, length: int, conc: int, args, out_dir:
     return row
 
 
-def sweep(server: Server, model: str, args, out_dir: Path, rows: list, lock) -> None:
+def sweep(server: Server, model: str, args, out_dir: Path, rows: list, lock, save) -> None:
     for length in [int(x) for x in args.lengths.split(",")]:
         for conc in [int(x) for x in args.concurrency.split(",")]:
             try:
@@ -129,6 +129,7 @@ def sweep(server: Server, model: str, args, out_dir: Path, rows: list, lock) -> 
                 print(f"[{server.name}] L={length} C={conc} failed: {e!r}", flush=True)
             with lock:
                 rows.append(row)
+            save()  # keep what was measured if a later point does not finish
 
 
 def summarize(rows: list) -> list:
@@ -190,7 +191,8 @@ def main() -> None:
             for s in servers:
                 s.wait_ready(args.start_timeout)
             setup.update({s.name: s.uniprefill_state() for s in servers})
-            threads = [threading.Thread(target=sweep, args=(s, model, args, out_dir, rows, lock))
+            setup["command"] = " ".join(sys.argv)
+            threads = [threading.Thread(target=sweep, args=(s, model, args, out_dir, rows, lock, save))
                        for s in servers]
             for t in threads:
                 t.start()
@@ -205,7 +207,7 @@ def main() -> None:
             try:
                 server.wait_ready(args.start_timeout)
                 setup[n] = server.uniprefill_state()
-                sweep(server, model, args, out_dir, rows, lock)
+                sweep(server, model, args, out_dir, rows, lock, save)
             finally:
                 server.stop()
             save()
