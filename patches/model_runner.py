@@ -15,9 +15,9 @@ logger = logging.getLogger(__name__)
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
-    from uniprefill_sglang.config import validate_for_model
+    from uniprefill_sglang.config import unsupported_architecture_reason, validate_for_model
     from uniprefill_sglang.kv_validity import LayerStages
-    from uniprefill_sglang.request_plan import log_fallback_once
+    from uniprefill_sglang.request_plan import log_fallback_once, set_no_schedule_reason
     from uniprefill_sglang.runtime import UniPrefillRuntime, set_runtime
 
     server_args = model_runner.server_args
@@ -28,7 +28,13 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     text_config = getattr(hf_config, "text_config", hf_config)
     num_layers = text_config.num_hidden_layers
     architectures = getattr(hf_config, "architectures", None) or []
-    drop_layers = validate_for_model(config, architectures, num_layers)
+    layer_types = getattr(text_config, "layer_types", None)
+    drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types)
+    unsupported = unsupported_architecture_reason(architectures, layer_types)
+    set_no_schedule_reason(unsupported)
+    if unsupported:
+        # Served dense, every request says why in meta_info; say it once here, loudly.
+        logger.warning("UniPrefill: %s; every request runs dense", unsupported)
     stages = LayerStages(drop_layers, num_layers)
     runtime = UniPrefillRuntime(config, stages, model_runner.req_to_token_pool,
                                 model_runner.token_to_kv_pool, model_runner.device,
@@ -36,7 +42,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     if drop_layers and not model_integration.install(model_runner.model, runtime):
         log_fallback_once(f"model {type(model_runner.model).__name__} has no decoder-layer list")
         runtime.stages = LayerStages((), num_layers)
-    if not runtime.has_schedule:
+    if not runtime.has_schedule and not unsupported:
         log_fallback_once(f"architecture {architectures} without a drop schedule")
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
     set_runtime(runtime)

@@ -12,8 +12,10 @@ from uniprefill_sglang.config import (
     UniPrefillConfigError,
     build_config,
     default_drop_layers,
+    unsupported_architecture_reason,
     validate_for_model,
 )
+from uniprefill_sglang.request_plan import NO_SCHEDULE_REASON, decide, set_no_schedule_reason
 
 DEFAULTS = dict(top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
                 drop_layers=None, min_prompt_tokens=0)
@@ -67,6 +69,51 @@ def test_drop_layers_checked_against_the_model():
     assert validate_for_model(default, ["Qwen3ForCausalLM"], 28) == default_drop_layers(28)
     none = build_config(**{**DEFAULTS, "drop_layers": "none"})
     assert validate_for_model(none, ["LlamaForCausalLM"], 30) == ()
+
+
+GEMMA3_LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+
+def test_sliding_window_hybrids_are_unsupported_architectures():
+    default = build_config(**DEFAULTS)
+    reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES)
+    assert reason.startswith("unsupported architecture Gemma3ForCausalLM (sliding-window hybrid)")
+    assert validate_for_model(default, ["Gemma3ForCausalLM"], 18,
+                              layer_types=GEMMA3_LAYER_TYPES) == ()
+    # A supported decoder layer with sliding-window layers (e.g. Qwen2 with
+    # use_sliding_window) is refused too; all-full layer_types are fine.
+    reason = unsupported_architecture_reason(["Qwen2ForCausalLM"], GEMMA3_LAYER_TYPES)
+    assert "unsupported architecture Qwen2ForCausalLM" in reason and "sliding_attention" in reason
+    assert validate_for_model(default, ["Qwen2ForCausalLM"], 18,
+                              layer_types=GEMMA3_LAYER_TYPES) == ()
+    forced = build_config(**{**DEFAULTS, "drop_layers": "5,11"})
+    with pytest.raises(UniPrefillConfigError, match="sliding_attention"):
+        validate_for_model(forced, ["Qwen2ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES)
+    assert unsupported_architecture_reason(["Qwen2ForCausalLM"], ["full_attention"] * 4) is None
+    assert unsupported_architecture_reason(["LlamaForCausalLM"]) is None
+
+
+class _Req:
+    def __init__(self, custom_params=None):
+        self.sampling_params = type("SP", (), {"custom_params": custom_params})()
+        self.rid = "r"
+
+
+def test_requests_say_why_a_model_without_schedule_runs_dense():
+    cfg = build_config(**DEFAULTS)
+    try:
+        assert decide(_Req(), 4096, cfg, False, None).reason == NO_SCHEDULE_REASON
+        reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES)
+        set_no_schedule_reason(reason)
+        d = decide(_Req(), 4096, cfg, False, None)
+        assert not d.enabled and d.reason == reason
+        # Switching it off per request still says so.
+        assert decide(_Req({"uniprefill": False}), 4096, cfg, False, None).reason == (
+            "disabled by the request")
+        set_no_schedule_reason(None)
+        assert decide(_Req(), 4096, cfg, False, None).reason == NO_SCHEDULE_REASON
+    finally:
+        set_no_schedule_reason(None)
 
 
 def _prepare(argv):

@@ -176,24 +176,47 @@ def build_config(
     )
 
 
+def unsupported_architecture_reason(
+    architectures: Sequence[str], layer_types: Optional[Sequence[str]] = None
+) -> Optional[str]:
+    """Why UniPrefill cannot serve this model (None if it can).
+
+    ``layer_types`` is the Hugging Face config's per-layer attention kind, where it has one
+    (Gemma 3: five ``sliding_attention`` layers per ``full_attention`` layer). A sliding-window
+    layer keeps only a window of KV, which the per-stage KV views and the drop schedule (every
+    later layer reads the survivors' KV) do not model, so such hybrids are refused even when
+    their decoder layer otherwise fits.
+    """
+    names = ", ".join(architectures) or "(none)"
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        sliding = " (sliding-window hybrid)" if layer_types and any(
+            t != "full_attention" for t in layer_types) else ""
+        return (f"unsupported architecture {names}{sliding}: no UniPrefill integration "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        kinds = sorted(set(layer_types) - {"full_attention"})
+        return (f"unsupported architecture {names}: layers of kind {', '.join(kinds)} "
+                "(UniPrefill needs every layer to be full attention)")
+    return None
+
+
 def validate_for_model(
     config: UniPrefillConfig,
     architectures: Sequence[str],
     num_layers: int,
     full_attention_layers: Optional[Sequence[int]] = None,
+    layer_types: Optional[Sequence[str]] = None,
 ) -> tuple[int, ...]:
     """Check the drop layers against the model; return the resolved schedule.
 
-    An architecture without an integration gets an empty schedule (dense, logged by the caller)
-    unless the user asked for explicit drop layers, which is an error.
+    An unsupported architecture (``unsupported_architecture_reason``) gets an empty schedule
+    (dense, logged by the caller) unless the user asked for explicit drop layers, which is an
+    error.
     """
-    supported = any(a in SUPPORTED_ARCHITECTURES for a in architectures)
-    if not supported:
+    reason = unsupported_architecture_reason(architectures, layer_types)
+    if reason is not None:
         if config.drop_layers:
-            raise UniPrefillConfigError(
-                f"--uniprefill-drop-layers was given but architecture {list(architectures)} "
-                f"has no UniPrefill integration (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
-            )
+            raise UniPrefillConfigError(f"--uniprefill-drop-layers was given but {reason}")
         return ()
     layers = config.resolved_drop_layers(num_layers)
     for l in layers:

@@ -19,6 +19,17 @@ logger = logging.getLogger(__name__)
 
 _logged_reasons: set = set()
 
+# Why requests run dense when the runtime has no drop schedule: "no drop layers" (the user said
+# `--uniprefill-drop-layers none`) unless the model runner found an unsupported architecture.
+NO_SCHEDULE_REASON = "no drop layers"
+_no_schedule_reason = NO_SCHEDULE_REASON
+
+
+def set_no_schedule_reason(reason: Optional[str]) -> None:
+    """Set (None: reset) the reason reported for every request of a model without a schedule."""
+    global _no_schedule_reason
+    _no_schedule_reason = reason or NO_SCHEDULE_REASON
+
 
 def log_fallback_once(reason: str) -> None:
     """Log each kind of dense fallback once per process."""
@@ -99,7 +110,7 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
     if params.get("uniprefill") is False:
         return dense("disabled by the request")
     if not has_schedule:
-        return dense("no drop layers")
+        return dense(_no_schedule_reason)
     if batch_reason is not None:
         return dense(batch_reason)
     if getattr(req, "multimodal_inputs", None) is not None:

@@ -156,4 +156,5 @@ class UniPrefillServerArgs(ServerArgs):
             self.uniprefill_config(),
             getattr(hf_config, "architectures", None) or [],
             text_config.num_hidden_layers,
+            layer_types=getattr(text_config, "layer_types", None),
         )
