@@ -85,16 +85,19 @@ class Runner:
     def ids(self, length: int) -> list:
         return torch.randint(100, self.vocab - 100, (length,), generator=self.gen).tolist()
 
-    def batch(self, length: int, custom: dict, concurrency: int, itl_probe: bool = False):
-        """`concurrency` requests at once; per-request TTFTs (s), their meta, and the ITLs (s) of
-        a short request that was decoding while they prefilled (if itl_probe)."""
+    def batch(self, length: int, custom: dict, concurrency: int, itl_probe: bool = False,
+              decode_tokens: int = 0):
+        """`concurrency` requests at once. Returns per-request TTFTs (s), their meta, the ITLs (s)
+        of a short request that was decoding while they prefilled (if itl_probe), and the
+        measured requests' own ITLs after their prefill (if decode_tokens > 1)."""
         return self.engine.loop.run_until_complete(
-            self._batch(length, custom, concurrency, itl_probe))
+            self._batch(length, custom, concurrency, itl_probe, decode_tokens))
 
-    async def _batch(self, length, custom, concurrency, itl_probe):
+    async def _batch(self, length, custom, concurrency, itl_probe, decode_tokens):
         import asyncio
 
-        params = {"max_new_tokens": 1, "temperature": 0.0, "custom_params": custom}
+        params = {"max_new_tokens": max(1, decode_tokens), "temperature": 0.0,
+                  "ignore_eos": True, "custom_params": custom}
         probe = stamps = None
         if itl_probe:
             self.n += 1
@@ -115,12 +118,21 @@ class Runner:
         start = time.perf_counter()
 
         async def one():
-            out = await self.engine.async_generate(input_ids=self.ids(length),
-                                                   sampling_params=params)
-            return time.perf_counter() - start, out["meta_info"].get("uniprefill", [{}])[-1]
+            ids = self.ids(length)
+            if decode_tokens <= 1:
+                out = await self.engine.async_generate(input_ids=ids, sampling_params=params)
+                return time.perf_counter() - start, out["meta_info"].get("uniprefill", [{}])[-1], []
+            stream = await self.engine.async_generate(input_ids=ids, sampling_params=params,
+                                                      stream=True)
+            times, meta = [], None
+            async for chunk in stream:
+                times.append(time.perf_counter())
+                meta = chunk["meta_info"].get("uniprefill") or meta
+            own = [b - a for a, b in zip(times, times[1:])]
+            return times[0] - start, (meta or [{}])[-1], own
 
         results = await asyncio.gather(*[one() for _ in range(concurrency)])
-        end = time.perf_counter()
+        end = min(start + r[0] for r in results) if decode_tokens > 1 else time.perf_counter()
         itls = []
         if itl_probe:
             self.engine.tokenizer_manager.abort_request(probe_rid)
@@ -130,7 +142,8 @@ class Runner:
                 follower.cancel()
             inside = [t for t in stamps if t <= end]
             itls = [b - a for a, b in zip(inside, inside[1:])]
-        return [r[0] for r in results], [r[1] for r in results], itls
+        own = [g for r in results for g in r[2]]
+        return [r[0] for r in results], [r[1] for r in results], itls, own
 
 
 def main() -> None:
@@ -149,6 +162,8 @@ def main() -> None:
                     help="-1: one prefill step per prompt (static latency); 'default': SGLang's")
     ap.add_argument("--itl-probe", action="store_true",
                     help="a short request decodes alongside each measurement; report its ITL")
+    ap.add_argument("--decode-tokens", type=int, default=0,
+                    help="> 1: the measured requests stream this many tokens; report their ITL")
     ap.add_argument("--drop-layers", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
@@ -195,12 +210,14 @@ def main() -> None:
             for schedule in args.schedules:
                 custom = {"uniprefill_keep_ratio": schedule}
                 runner.batch(length, custom, 1)  # warm-up
-                dense_t, up_t, itl_d, itl_u, kept = [], [], [], [], []
+                dense_t, up_t, itl_d, itl_u, own_d, own_u, kept = [], [], [], [], [], [], []
                 for _ in range(args.repeats):  # alternate so drift hits both alike
-                    t, _, itl = runner.batch(length, off, conc, args.itl_probe)
-                    dense_t.append(statistics.mean(t)), itl_d.extend(itl)
-                    t, metas, itl = runner.batch(length, custom, conc, args.itl_probe)
-                    up_t.append(statistics.mean(t)), itl_u.extend(itl)
+                    t, _, itl, own = runner.batch(length, off, conc, args.itl_probe,
+                                                  args.decode_tokens)
+                    dense_t.append(statistics.mean(t)), itl_d.extend(itl), own_d.extend(own)
+                    t, metas, itl, own = runner.batch(length, custom, conc, args.itl_probe,
+                                                      args.decode_tokens)
+                    up_t.append(statistics.mean(t)), itl_u.extend(itl), own_u.extend(own)
                     kept = [m.get("kept_tokens") for m in metas]
                 dense, up = statistics.median(dense_t), statistics.median(up_t)
                 ideal = flop_ideal_speedup(kept[0], drop_layers, cfg)
@@ -214,6 +231,10 @@ def main() -> None:
                     itl_cols = (f" {row['itl_dense_ms']['mean']:.1f} / {row['itl_dense_ms']['max']:.0f} |"
                                 f" {row['itl_uniprefill_ms']['mean']:.1f} / "
                                 f"{row['itl_uniprefill_ms']['max']:.0f} |")
+                if args.decode_tokens > 1:
+                    row.update(decode_itl_dense_ms=_ms(own_d), decode_itl_uniprefill_ms=_ms(own_u))
+                    print(f"decode ITL after the prefill, dense {_fmt(own_d)}, "
+                          f"UniPrefill {_fmt(own_u)}")
                 rows.append(row)
                 print(f"| {length} | {conc} | {schedule} | {dense:.3f} | {up:.3f} | "
                       f"{dense / up:.2f}x | {ideal:.2f}x | {dense / up / ideal:.0%} | "
@@ -221,6 +242,11 @@ def main() -> None:
                 save()
     engine.shutdown()
     save()
+
+
+def _fmt(gaps: list) -> str:
+    m = _ms(gaps)
+    return f"mean {m['mean']:.2f} ms, median {m.get('p50', float('nan')):.2f} ms (n={m['n']})"
 
 
 def _ms(gaps: list) -> dict:
