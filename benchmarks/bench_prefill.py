@@ -135,13 +135,22 @@ class Runner:
         end = min(start + r[0] for r in results) if decode_tokens > 1 else time.perf_counter()
         itls = []
         if itl_probe:
+            # The probe's gaps from its last token before the long requests arrived to its first
+            # token after their prefill ended: the longest one is the stall they caused.
+            for _ in range(200):
+                if stamps and stamps[-1] > end:
+                    break
+                await asyncio.sleep(0.01)
             self.engine.tokenizer_manager.abort_request(probe_rid)
             try:
                 await asyncio.wait_for(follower, 30)
             except Exception:
                 follower.cancel()
-            inside = [t for t in stamps if t <= end]
-            itls = [b - a for a, b in zip(inside, inside[1:])]
+            before = [t for t in stamps if t <= start][-1:]
+            during = [t for t in stamps if start < t <= end]
+            after = [t for t in stamps if t > end][:1]
+            window = before + during + after
+            itls = [b - a for a, b in zip(window, window[1:])]
         own = [g for r in results for g in r[2]]
         return [r[0] for r in results], [r[1] for r in results], itls, own
 
