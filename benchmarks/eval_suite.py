@@ -1,0 +1,517 @@
+"""Long-context evaluation suite: dense vs UniPrefill on RULER-style tasks, in one engine.
+
+Cases come from ``uniprefill_sglang/eval_tasks.py`` (generated locally, deterministic). Every
+case is sent once dense (``custom_params={"uniprefill": False}``) and once per UniPrefill
+configuration, greedy, streamed (time to first streamed chunk = TTFT). Per task and length it
+reports dense accuracy, UniPrefill accuracy, agreement (UniPrefill correct on the cases dense
+gets right), kept ratio per stage (token-weighted) and the TTFT ratio (dense / UniPrefill mean
+TTFT, >1 is faster). Writes a JSON file and a PNG heat map (task x length; plus a line plot for
+a sweep).
+
+Targets: ``--base-url http://host:port`` (a running SGLang server, native ``/generate``; launch
+it with ``--enable-uniprefill --disable-radix-cache``), or an ``sglang.Engine`` built here from
+``--model`` (``smollm2`` / ``gemma3-270m`` from model_zoo, or a folder) and ``--engine-kwargs``
+(JSON); without CUDA that is SGLang's CPU engine (uniprefill_sglang/cpu_engine.py, float32).
+
+Sweeps (``--sweep``): ``none`` dense only; ``default`` dense vs UniPrefill at the engine's
+settings (top-p 0.99 unless --engine-kwargs say otherwise); ``top_p`` / ``keep_ratio`` per
+request in one engine; ``block_size`` / ``last_queries`` one engine per value (engine only).
+
+    python benchmarks/eval_suite.py --out benchmarks/results/eval_smollm2_cpu.json
+    python benchmarks/eval_suite.py --sweep top_p --lengths 2048 --depths 0.5 --out top_p.json
+    python benchmarks/eval_suite.py --base-url http://127.0.0.1:30000 --lengths 8192,32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+SWEEPS = ("none", "default", "top_p", "keep_ratio", "block_size", "last_queries")
+# Values of each sweep (the paper's ablations; top-p 0.9-1.0).
+SWEEP_VALUES = {
+    "top_p": (0.9, 0.95, 0.99, 1.0),
+    "keep_ratio": (0.2, 0.4, 0.6, 0.8),
+    "block_size": (16, 32, 64, 128),
+    "last_queries": (32, 64, 128, 256),
+}
+ENGINE_LEVEL = {"block_size": "uniprefill_block_size", "last_queries": "uniprefill_last_queries"}
+DENSE = {"uniprefill": False}
+
+
+# ---------------------------------------------------------------------------------------------
+# targets
+
+
+class EngineTarget:
+    """An ``sglang.Engine`` (CPU engine without CUDA) serving dense and UniPrefill requests."""
+
+    def __init__(self, model_path: str, engine_kwargs: dict):
+        self.model_path = model_path
+        self.engine_kwargs = engine_kwargs
+        t0 = time.perf_counter()
+        if _use_cpu_engine():
+            from uniprefill_sglang.cpu_engine import make_cpu_engine
+
+            self.engine = make_cpu_engine(model_path, **engine_kwargs)
+        else:
+            import sglang
+
+            self.engine = sglang.Engine(model_path=model_path, **engine_kwargs)
+        self.startup_s = time.perf_counter() - t0
+
+    def generate(self, input_ids: list, sampling_params: dict) -> dict:
+        t0 = time.perf_counter()
+        ttft, last = None, None
+        for chunk in self.engine.generate(input_ids=input_ids, sampling_params=sampling_params,
+                                          stream=True):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = chunk
+        return _result(last, ttft, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class HTTPTarget:
+    """A running SGLang server (native ``/generate``, streamed)."""
+
+    def __init__(self, base_url: str, timeout: float = 3600.0):
+        import requests
+
+        self.base_url = base_url.rstrip("/")
+        self.session = requests.Session()
+        self.timeout = timeout
+        self.startup_s = 0.0
+        info = self.session.get(f"{self.base_url}/get_model_info", timeout=60).json()
+        self.model_path = info.get("model_path", base_url)
+
+    def generate(self, input_ids: list, sampling_params: dict) -> dict:
+        t0 = time.perf_counter()
+        ttft, last = None, None
+        with self.session.post(f"{self.base_url}/generate", stream=True, timeout=self.timeout,
+                               json={"input_ids": input_ids, "sampling_params": sampling_params,
+                                     "stream": True}) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line or not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                last = json.loads(data)
+        return _result(last, ttft, time.perf_counter() - t0)
+
+    def flush_cache(self) -> None:
+        # Identical prompts would reuse the dense pass's KV otherwise (server started without
+        # --disable-radix-cache); retried because a flush is refused while requests run.
+        for _ in range(50):
+            if self.session.post(f"{self.base_url}/flush_cache", timeout=60).status_code == 200:
+                return
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _result(chunk: Optional[dict], ttft: Optional[float], e2e: float) -> dict:
+    if chunk is None:
+        raise RuntimeError("the server streamed no output")
+    meta = chunk.get("meta_info", {})
+    up = (meta.get("uniprefill") or [{}])[-1]
+    return {"text": chunk.get("text", ""), "ttft_s": ttft, "e2e_s": e2e,
+            "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"),
+            "enabled": up.get("enabled"), "reason": up.get("reason"),
+            "kept_tokens": up.get("kept_tokens")}
+
+
+def _use_cpu_engine() -> bool:
+    flag = os.environ.get("UNIPREFILL_CPU_ENGINE")
+    if flag is not None:
+        return flag == "1"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def resolve_model(model: str) -> str:
+    from uniprefill_sglang.model_zoo import MODELS, prepare_model
+
+    return prepare_model(model) if model in MODELS else model
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def configs_for(sweep: str) -> list[dict]:
+    """UniPrefill configurations: name, sweep parameter, value, engine kwargs, custom params."""
+    if sweep == "none":
+        return []
+    if sweep == "default":
+        return [{"name": "uniprefill", "param": None, "value": None, "engine": {}, "custom": {}}]
+    out = []
+    for v in SWEEP_VALUES[sweep]:
+        if sweep in ENGINE_LEVEL:
+            out.append({"name": f"{sweep}={v}", "param": sweep, "value": v,
+                        "engine": {ENGINE_LEVEL[sweep]: v}, "custom": {}})
+        else:
+            out.append({"name": f"{sweep}={v}", "param": sweep, "value": v, "engine": {},
+                        "custom": {f"uniprefill_{sweep}": v}})
+    return out
+
+
+def _record(case, res: dict) -> dict:
+    return {**res, "correct": case.check(res["text"]), "recall": case.recall(res["text"])}
+
+
+def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bool = True,
+              log=print) -> tuple[list[dict], dict]:
+    """Serve every case dense and under every config. ``target_factory(engine_overrides)``
+    returns a target; configs with different engine kwargs get their own target (in turn)."""
+    from tqdm import tqdm
+
+    rows = [{"name": c.name, "task": c.task, "target_tokens": c.target_tokens,
+             "n_tokens": c.n_tokens, "depth": c.depth, "seed": c.seed, "answers": c.answers,
+             "runs": {}} for c in cases]
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for cfg in configs:
+        groups[json.dumps(cfg["engine"], sort_keys=True)].append(cfg)
+    if not groups:
+        groups["{}"] = []
+    timing: dict[str, Any] = {"engines": []}
+    dense_done = False
+    for key, cfgs in groups.items():
+        overrides = json.loads(key)
+        t0 = time.perf_counter()
+        target = target_factory(overrides)
+        timing["engines"].append({"overrides": overrides, "startup_s": target.startup_s})
+        try:
+            n_req = len(cases) * (len(cfgs) + (0 if dense_done else 1))
+            bar = tqdm(total=n_req, desc=f"engine {overrides or 'default'}", unit="req",
+                       disable=not progress, file=sys.stderr)
+            for case, row in zip(cases, rows):
+                sp = {"temperature": 0.0, "max_new_tokens": case.max_new_tokens}
+                if not dense_done:
+                    _flush(target)
+                    row["dense"] = _record(case, target.generate(
+                        case.input_ids, {**sp, "custom_params": DENSE}))
+                    bar.update(1)
+                for cfg in cfgs:
+                    _flush(target)
+                    custom = dict(cfg["custom"])
+                    row["runs"][cfg["name"]] = _record(case, target.generate(
+                        case.input_ids, {**sp, "custom_params": custom}))
+                    bar.update(1)
+                bar.set_postfix_str(case.name)
+            bar.close()
+            dense_done = True
+        finally:
+            target.close()
+        timing["engines"][-1]["total_s"] = time.perf_counter() - t0
+    return rows, timing
+
+
+def _flush(target) -> None:
+    if hasattr(target, "flush_cache"):
+        target.flush_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# summaries
+
+
+def summarize(rows: Sequence[dict], configs: list[dict]) -> dict:
+    """Per config, per task, per length (and ``all``): accuracy, agreement, kept, TTFT."""
+    out: dict[str, Any] = {}
+    names = [c["name"] for c in configs] or [None]
+    for name in names:
+        cells: dict[str, dict] = {}
+        by: dict[tuple, list] = defaultdict(list)
+        for r in rows:
+            for key in ((r["task"], str(r["target_tokens"])), (r["task"], "all"),
+                        ("all", str(r["target_tokens"])), ("all", "all")):
+                by[key].append(r)
+        for (task, length), rs in sorted(by.items()):
+            cells.setdefault(task, {})[length] = _cell(rs, name)
+        out[name or "dense"] = cells
+    return out
+
+
+def _cell(rs: Sequence[dict], name: Optional[str]) -> dict:
+    n = len(rs)
+    dense_ok = [r for r in rs if r["dense"]["correct"]]
+    cell = {"n": n, "dense_correct": len(dense_ok), "dense_acc": len(dense_ok) / n,
+            "dense_recall": sum(r["dense"]["recall"] for r in rs) / n,
+            "dense_ttft_s": sum(r["dense"]["ttft_s"] for r in rs) / n,
+            "mean_tokens": sum(r["n_tokens"] for r in rs) / n}
+    if name is None:
+        return cell
+    runs = [r["runs"][name] for r in rs]
+    up_ok = sum(u["correct"] for u in runs)
+    agree = sum(r["runs"][name]["correct"] for r in dense_ok)
+    kept = [u["kept_tokens"] for u in runs if u["kept_tokens"]]
+    stages = max((len(k) for k in kept), default=0)
+    per_stage = []
+    for s in range(1, stages):
+        num = sum(k[min(s, len(k) - 1)] for k in kept)
+        per_stage.append(num / sum(k[0] for k in kept))
+    up_ttft = sum(u["ttft_s"] for u in runs) / n
+    reasons = sorted({u["reason"] for u in runs if u["reason"]})
+    cell.update({
+        "uniprefill_correct": up_ok, "uniprefill_acc": up_ok / n,
+        "uniprefill_recall": sum(u["recall"] for u in runs) / n,
+        "agree": agree, "agreement": agree / len(dense_ok) if dense_ok else None,
+        "kept_ratio_per_stage": per_stage,
+        "kept_ratio_final": per_stage[-1] if per_stage else 1.0,
+        "uniprefill_ttft_s": up_ttft, "ttft_ratio": cell["dense_ttft_s"] / up_ttft,
+        "enabled": sum(bool(u["enabled"]) for u in runs), "dense_reasons": reasons,
+    })
+    return cell
+
+
+def markdown(summary: dict, name: Optional[str], lengths: Sequence[int], tasks: Sequence[str]) -> str:
+    """Task x length table of one config (or dense only)."""
+    cells = summary[name or "dense"]
+    if name is None:
+        head = "| task | length | cases | dense correct | mean tokens | dense TTFT s |"
+        lines = [head, "|---|---|---|---|---|---|"]
+    else:
+        head = ("| task | length | cases | dense correct | UniPrefill correct | agreement "
+                "| kept after each drop | TTFT ratio |")
+        lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for task in [*tasks, "all"]:
+        for length in [*map(str, lengths), "all"]:
+            c = cells.get(task, {}).get(length)
+            if c is None or (task != "all" and length == "all" and len(lengths) == 1):
+                continue
+            if name is None:
+                lines.append(f"| {task} | {length} | {c['n']} | {c['dense_correct']} | "
+                             f"{c['mean_tokens']:.0f} | {c['dense_ttft_s']:.2f} |")
+                continue
+            ag = "-" if c["agreement"] is None else f"{c['agree']}/{c['dense_correct']}"
+            kept = ", ".join(f"{k:.0%}" for k in c["kept_ratio_per_stage"]) or "100%"
+            lines.append(f"| {task} | {length} | {c['n']} | {c['dense_correct']} | "
+                         f"{c['uniprefill_correct']} | {ag} | {kept} | {c['ttft_ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def sweep_markdown(summary: dict, configs: list[dict]) -> str:
+    lines = ["| setting | cases | dense correct | UniPrefill correct | agreement | kept after "
+             "last drop | kept after each drop | TTFT ratio |", "|---|---|---|---|---|---|---|---|"]
+    for cfg in configs:
+        c = summary[cfg["name"]]["all"]["all"]
+        ag = "-" if c["agreement"] is None else f"{c['agree']}/{c['dense_correct']}"
+        kept = ", ".join(f"{k:.0%}" for k in c["kept_ratio_per_stage"])
+        lines.append(f"| {cfg['name']} | {c['n']} | {c['dense_correct']} | "
+                     f"{c['uniprefill_correct']} | {ag} | {c['kept_ratio_final']:.0%} | {kept} | "
+                     f"{c['ttft_ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+
+
+def plot(summary: dict, configs: list[dict], tasks: Sequence[str], lengths: Sequence[int],
+         path: str, title: str) -> list[str]:
+    """Heat map(s) task x length: dense accuracy, UniPrefill accuracy (first config) and the
+    kept ratio after the last drop; for a sweep also accuracy/kept vs the swept value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    written = []
+    ref = configs[0]["name"] if len(configs) == 1 else None
+    if configs and len(configs) > 1:
+        ref = _reference_config(configs)
+    panels = [("dense accuracy", ref, "dense_acc")]
+    if ref is not None:
+        panels += [(f"UniPrefill accuracy ({ref})", ref, "uniprefill_acc"),
+                   (f"kept after last drop ({ref})", ref, "kept_ratio_final")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1, 0.45 * len(tasks) + 1.6),
+                             squeeze=False)
+    for ax, (label, name, key) in zip(axes[0], panels):
+        cells = summary[name or "dense"]
+        grid = np.array([[cells[t][str(L)][key] for L in lengths] for t in tasks], dtype=float)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
+        ax.set_yticks(range(len(tasks)), tasks if ax is axes[0][0] else [""] * len(tasks),
+                      fontsize=7)
+        ax.set_title(label, fontsize=8)
+        ax.set_xlabel("prompt tokens", fontsize=7)
+        for i in range(len(tasks)):
+            for j in range(len(lengths)):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if grid[i, j] < 0.6 else "black")
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+    if len(configs) > 1 and configs[0]["param"] is not None:
+        sweep_path = str(Path(path).with_name(Path(path).stem + "_sweep.png"))
+        xs = [c["value"] for c in configs]
+        allc = [summary[c["name"]]["all"]["all"] for c in configs]
+        fig, ax = plt.subplots(figsize=(4.5, 3))
+        ax.plot(xs, [c["uniprefill_acc"] for c in allc], "o-", label="UniPrefill accuracy")
+        ax.plot(xs, [c["agreement"] or 0 for c in allc], "s-", label="agreement with dense")
+        ax.plot(xs, [c["kept_ratio_final"] for c in allc], "^-", label="kept after last drop")
+        ax.axhline(allc[0]["dense_acc"], color="gray", ls="--", label="dense accuracy")
+        ax.set_xlabel(configs[0]["param"], fontsize=8)
+        if configs[0]["param"] in ENGINE_LEVEL:
+            ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=6)
+        ax.set_title(title, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(sweep_path, dpi=90)
+        plt.close(fig)
+        written.append(sweep_path)
+    return written
+
+
+def _reference_config(configs: list[dict]) -> str:
+    """The default-like config of a sweep (top-p 0.99, block 64, 128 queries), else the first."""
+    for c in configs:
+        if (c["param"], c["value"]) in (("top_p", 0.99), ("block_size", 64),
+                                         ("last_queries", 128), ("keep_ratio", 0.4)):
+            return c["name"]
+    return configs[0]["name"]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+    except Exception:  # pragma: no cover
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"CPU {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB"
+
+
+def parse_args(argv=None):
+    from uniprefill_sglang.eval_tasks import FORMATS, TASKS
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    tgt = ap.add_mutually_exclusive_group()
+    tgt.add_argument("--base-url", default=None, help="a running SGLang server")
+    tgt.add_argument("--model", default="smollm2",
+                     help="smollm2 | gemma3-270m (model_zoo) | a model folder (engine target)")
+    ap.add_argument("--engine-kwargs", default="{}",
+                    help='JSON of sglang.Engine kwargs, e.g. \'{"dtype": "bfloat16"}\'')
+    ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {TASKS}")
+    ap.add_argument("--lengths", default="1024,2048,4096,8000", help="prompt token budgets (SmolLM2: up to 8192)")
+    ap.add_argument("--depths", default="0.5", help="needle depths in [0, 1], e.g. 0.1,0.5,0.9")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--fmt", default="plain", choices=FORMATS)
+    ap.add_argument("--sweep", default="default", choices=SWEEPS)
+    ap.add_argument("--out", default="eval_suite.json", help="JSON path; PNG(s) beside it")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    engine_kwargs = json.loads(args.engine_kwargs)
+    if args.base_url is None and _use_cpu_engine():
+        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+
+        activate_cpu_engine_env()  # before anything imports sglang
+    from transformers import AutoTokenizer
+
+    from uniprefill_sglang.eval_tasks import fingerprint, make_cases
+
+    tasks = [t for t in args.tasks.split(",") if t]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    configs = configs_for(args.sweep)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t_all = time.perf_counter()
+
+    if args.base_url:
+        if any(c["engine"] for c in configs):
+            raise SystemExit(f"--sweep {args.sweep} restarts the engine per value; with "
+                             "--base-url launch one server per value and use --sweep default")
+        probe = HTTPTarget(args.base_url)
+        model_path = probe.model_path
+        factory = lambda overrides: probe  # noqa: E731 - one server for everything
+        probe.close = lambda: None  # kept open across groups; closed below
+    else:
+        model_path = resolve_model(args.model)
+        base_kwargs = {"enable_uniprefill": True, "disable_radix_cache": True, **engine_kwargs}
+
+        def factory(overrides):
+            return EngineTarget(model_path, {**base_kwargs, **overrides})
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    t0 = time.perf_counter()
+    cases = make_cases(tokenizer, tasks, lengths, depths, seeds, args.fmt)
+    gen_s = time.perf_counter() - t0
+    print(f"{len(cases)} cases ({len(tasks)} tasks x {len(lengths)} lengths x {len(depths)} "
+          f"depths x {len(seeds)} seeds), generated in {gen_s:.1f} s, fingerprint "
+          f"{fingerprint(cases)}; {len(configs)} UniPrefill configs", flush=True)
+    rows, timing = run_suite(factory, cases, configs, progress=not args.no_progress)
+    summary = summarize(rows, configs)
+    duration = time.perf_counter() - t_all
+    result = {
+        "meta": {
+            "date": started.date().isoformat(), "started_utc": started.isoformat(),
+            "duration_s": duration, "machine": _machine(), "model": model_path,
+            "target": args.base_url or "sglang.Engine", "engine_kwargs": engine_kwargs,
+            "command": " ".join([os.path.relpath(sys.argv[0]) if sys.argv else "eval_suite",
+                                 *(argv if argv is not None else sys.argv[1:])]),
+            "tasks": tasks, "lengths": lengths, "depths": depths, "seeds": seeds,
+            "fmt": args.fmt, "sweep": args.sweep, "n_cases": len(cases),
+            "case_fingerprint": fingerprint(cases), "case_generation_s": gen_s, **timing,
+        },
+        "configs": configs, "summary": summary, "cases": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    title = (f"{Path(model_path).name}, {args.sweep}, {len(cases)} cases, "
+             f"{started.date().isoformat()}")
+    pngs = plot(summary, configs, tasks, lengths, str(out.with_suffix(".png")), title)
+    result["meta"]["pngs"] = pngs
+    out.write_text(json.dumps(result, indent=1))
+    if args.sweep in ("none", "default"):
+        print(markdown(summary, configs[0]["name"] if configs else None, lengths, tasks))
+    else:
+        print(sweep_markdown(summary, configs))
+    print(f"wrote {out} and {', '.join(pngs)} in {duration / 60:.1f} min")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The long-context evaluation suite: deterministic cases, and a ~2-minute end-to-end smoke run.
+
+The smoke run is `benchmarks/eval_suite.py` itself (its `main`) on SGLang's CPU engine with
+SmolLM2-135M-Instruct: one engine, four short cases, dense and UniPrefill (top-p 0.99) each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from uniprefill_sglang.eval_tasks import TASKS, fingerprint, make_case, make_cases
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def _load_suite():
+    spec = importlib.util.spec_from_file_location(
+        "eval_suite", REPO_ROOT / "benchmarks" / "eval_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cases_are_deterministic_and_fit_their_budget(tokenizer):
+    grid = dict(tasks=TASKS, lengths=(700, 1500), depths=(0.1, 0.9), seeds=(0, 1))
+    a, b = make_cases(tokenizer, **grid), make_cases(tokenizer, **grid)
+    assert fingerprint(a) == fingerprint(b)
+    assert [c.input_ids for c in a] == [c.input_ids for c in b]
+    assert len(a) == len(TASKS) * 2 * 2 * 2
+    for c in a:
+        assert c.n_tokens <= c.target_tokens
+        assert c.n_tokens > 0.9 * c.target_tokens, (c.name, c.n_tokens)  # the budget is used
+        for ans in c.answers:
+            assert ans in c.prompt  # every answer is in the context ...
+        assert c.check(" " + ", ".join(c.answers) + ".")  # ... and the checker accepts it
+        assert not c.check(" I do not know.")
+    # The seed changes the needle; the depth moves it (same needle, other place).
+    s0 = make_case(tokenizer, "niah_number", 1024, 0.5, seed=0)
+    s1 = make_case(tokenizer, "niah_number", 1024, 0.5, seed=1)
+    assert s0.answers != s1.answers
+    early = make_case(tokenizer, "niah_number", 1024, 0.1, seed=0)
+    late = make_case(tokenizer, "niah_number", 1024, 0.9, seed=0)
+    assert early.answers == late.answers
+    assert early.prompt.index(early.answers[0]) < 0.3 * len(early.prompt)
+    assert late.prompt.index(late.answers[0]) > 0.7 * len(late.prompt)
+
+
+def test_checker_matches_whole_answers_only(tokenizer):
+    c = make_case(tokenizer, "niah_multivalue", 800, 0.5)
+    assert len(c.answers) == 4
+    partial = " " + ", ".join(c.answers[:3])
+    assert not c.check(partial) and c.recall(partial) == 0.75
+    n = make_case(tokenizer, "niah_number", 800, 0.5)
+    assert not n.check(" " + n.answers[0] + "1")  # a longer number is not the answer
+
+
+def test_suite_end_to_end_on_the_cpu_engine(tmp_path, tokenizer):
+    suite = _load_suite()
+    out = tmp_path / "smoke.json"
+    result = suite.main(["--tasks", "niah_number,qa", "--lengths", "640,2048", "--depths", "0.5",
+                         "--sweep", "default", "--out", str(out), "--no-progress"])
+    # JSON written and complete.
+    data = json.loads(out.read_text())
+    assert data["meta"]["n_cases"] == 4 and len(data["cases"]) == 4
+    assert data["meta"]["case_fingerprint"] == fingerprint(
+        make_cases(tokenizer, ["niah_number", "qa"], [640, 2048], [0.5]))
+    assert data["summary"] == json.loads(json.dumps(result["summary"]))
+    # Per case: dense and UniPrefill both ran, on the full prompt (no radix-cache reuse).
+    for row in data["cases"]:
+        dense, up = row["dense"], row["runs"]["uniprefill"]
+        assert dense["prompt_tokens"] == up["prompt_tokens"] == row["n_tokens"]
+        assert dense["cached_tokens"] == 0 and up["cached_tokens"] == 0
+        assert dense["enabled"] is False and dense["reason"] == "disabled by the request"
+        assert up["enabled"] is True and up["reason"] is None
+        assert up["kept_tokens"][0] == row["n_tokens"] and dense["kept_tokens"] == [row["n_tokens"]]
+        assert dense["ttft_s"] > 0 and up["ttft_s"] > 0 and dense["e2e_s"] >= dense["ttft_s"]
+    # The summary agrees with the per-case records.
+    cells = data["summary"]["uniprefill"]
+    overall = cells["all"]["all"]
+    assert overall["n"] == 4
+    assert overall["dense_correct"] == sum(r["dense"]["correct"] for r in data["cases"])
+    assert overall["uniprefill_correct"] == sum(r["runs"]["uniprefill"]["correct"]
+                                                for r in data["cases"])
+    assert overall["dense_acc"] == overall["dense_correct"] / 4
+    agree = sum(r["runs"]["uniprefill"]["correct"] for r in data["cases"] if r["dense"]["correct"])
+    assert overall["agree"] == agree
+    if overall["dense_correct"]:
+        assert overall["agreement"] == agree / overall["dense_correct"]
+    # SmolLM2 finds a 640-token needle dense (the check is real, not vacuous).
+    assert cells["niah_number"]["640"]["dense_correct"] == 1
+    # On the 2K-token prompts top-p 0.99 really drops tokens, monotonically over the stages.
+    for task in ("niah_number", "qa"):
+        kept = cells[task]["2048"]["kept_ratio_per_stage"]
+        assert len(kept) == 6 and kept[-1] < 1.0, kept
+        assert all(x >= y for x, y in zip(kept, kept[1:])), kept
+    # The heat map is a real, small PNG.
+    png = out.with_suffix(".png")
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 5_000 < png.stat().st_size < 200_000
+    assert data["meta"]["pngs"] == [str(png)]

@@ -1,0 +1,363 @@
+"""RULER-style long-context tasks, generated locally and deterministically (no downloads).
+
+Every case is built for one tokenizer and fills a token budget (``target_tokens``) with a
+haystack, as long as possible without exceeding it; ``depth`` (0 = start, 1 = end) places the
+asked-for item. Tasks (``TASKS``):
+
+* ``niah_number`` / ``niah_uuid`` / ``niah_word``: single needle ("The special magic number for
+  <key> is: <value>.") in repeated noise sentences; value a 7-digit number, a UUID-like string
+  (``xxxxxxxx-xxxx-xxxx``) or a word. Correct: the value appears in the output.
+* ``niah_multikey``: four needles with different keys (three distractors at seeded positions);
+  one is asked for.
+* ``niah_multivalue``: one key, four values (first at ``depth``, the others at seeded
+  positions); all four asked for. Correct: all in the output (``recall`` keeps the fraction).
+* ``vt``: variable tracking, ``VAR X = 12345`` at ``depth`` then a chain of four
+  ``VAR Y = VAR X`` hops at seeded later positions; asked for every variable holding the value.
+  Correct: all five names in the output.
+* ``qa``: question answering over distractor documents: short made-up "documents" about
+  made-up places, one of which answers the question (at ``depth``), the rest are distractors of
+  the same template about other places.
+
+Prompts are ``fmt="plain"`` (context, question, then an answer primer the model completes: what
+SmolLM2-135M-Instruct does best, see retrieval.py) or ``fmt="chat"`` (chat template, primer at
+the start of the assistant turn; needs a chat template). Token ids are the tokenizer's own
+encoding *with* its special tokens (Gemma's ``<bos>``; SmolLM2 adds none).
+
+Randomness comes only from ``random.Random(f"{task}:{seed}")``: the same task and seed give the
+same key, value and distractors at every length and depth (only the haystack and the position
+change), and the same tokenizer gives the same ids on every machine.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from uniprefill_sglang.retrieval import FILLER_SENTENCES, _fit, _uuid_like
+
+TASKS = (
+    "niah_number",
+    "niah_uuid",
+    "niah_word",
+    "niah_multikey",
+    "niah_multivalue",
+    "vt",
+    "qa",
+)
+FORMATS = ("plain", "chat")
+
+# Answer lengths in tokens are small; these leave room for a short preamble in the output.
+MAX_NEW_TOKENS = {
+    "niah_number": 12,
+    "niah_uuid": 24,
+    "niah_word": 8,
+    "niah_multikey": 12,
+    "niah_multivalue": 36,
+    "vt": 28,
+    "qa": 10,
+}
+
+_WORDS = (
+    "apple", "river", "candle", "falcon", "harbor", "meadow", "pepper", "silver", "tunnel",
+    "violet", "walnut", "lantern", "marble", "orchid", "pebble", "rocket", "saddle", "timber",
+    "anchor", "basket", "cactus", "dragon", "engine", "forest", "garlic", "helmet", "island",
+    "jacket", "kettle", "ladder", "magnet", "napkin", "oyster", "parrot", "quartz", "ribbon",
+    "salmon", "tomato", "umpire", "velvet", "window", "yogurt", "zipper", "bridge", "castle",
+    "desert", "feather", "glacier", "hammer", "iguana", "jungle", "koala", "lemon", "mirror",
+)
+_ADJECTIVES = (
+    "quiet", "bright", "hollow", "frozen", "gentle", "rapid", "golden", "hidden", "purple",
+    "ancient", "brave", "clever", "dusty", "eager", "fancy", "grumpy", "humble", "icy",
+)
+_SYLLABLES = ("ka", "lo", "mer", "vin", "dra", "so", "tel", "bru", "nia", "gor", "pe", "zan",
+              "ri", "mo", "tha", "qui", "ven", "las", "dor", "fi")
+
+
+@dataclass
+class EvalCase:
+    task: str
+    target_tokens: int
+    depth: float
+    seed: int
+    fmt: str
+    prompt: str
+    input_ids: list[int]
+    answers: list[str]  # all must appear in the output
+    question: str
+    max_new_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}-{self.target_tokens}-d{self.depth:g}-s{self.seed}"
+
+    def recall(self, output_text: str) -> float:
+        """Fraction of the expected answers found in the output."""
+        found = sum(_contains(output_text, a) for a in self.answers)
+        return found / len(self.answers)
+
+    def check(self, output_text: str) -> bool:
+        """Every expected answer appears in the output (as a whole token, case-insensitive)."""
+        return all(_contains(output_text, a) for a in self.answers)
+
+
+def _contains(text: str, answer: str) -> bool:
+    # Whole-word match: "1234567" must not count inside "12345678", "VAR AB" not in "VAR ABC".
+    pat = r"(?<![0-9A-Za-z])" + re.escape(answer) + r"(?![0-9A-Za-z])"
+    return re.search(pat, text, flags=re.IGNORECASE) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+def _key(rng: random.Random, used: set) -> str:
+    while True:
+        k = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_WORDS)}"
+        if k not in used:
+            used.add(k)
+            return k
+
+
+def _value(rng: random.Random, kind: str, used: set) -> str:
+    while True:
+        if kind == "number":
+            v = str(rng.randint(1000000, 9999999))
+        elif kind == "uuid":
+            v = _uuid_like(rng)
+        elif kind == "word":
+            v = rng.choice(_WORDS)
+        else:
+            raise ValueError(kind)
+        if v not in used:
+            used.add(v)
+            return v
+
+
+def _noise(n: int) -> list[str]:
+    return [FILLER_SENTENCES[i % len(FILLER_SENTENCES)] for i in range(n)]
+
+
+def _insert(units: list[str], items: Sequence[tuple[float, str]]) -> list[str]:
+    """Insert each (relative position, text) into ``units``; equal positions keep their order."""
+    out = list(units)
+    n = len(units)
+    # Insert from the back so earlier indices stay valid; stable for equal positions.
+    for pos, text in sorted(items, key=lambda x: x[0], reverse=True):
+        out.insert(round(pos * n), text)
+    return out
+
+
+def _spread(rng: random.Random, k: int, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    return [rng.uniform(lo, hi) for _ in range(k)]
+
+
+def _name(rng: random.Random, used: set, parts: int = 3) -> str:
+    while True:
+        s = "".join(rng.choice(_SYLLABLES) for _ in range(parts)).capitalize()
+        if s not in used:
+            used.add(s)
+            return s
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks: each returns (head, build(n) -> (context, question, primer), answers, meta)
+
+_NIAH_HEAD = ("Some special magic {kind}s are hidden inside the following text. "
+              "Make sure to memorize them. I will quiz you about the {kind}s afterwards.")
+_NIAH_LINE = "The special magic {kind} for {key} is: {value}."
+_KIND_NOUN = {"number": "number", "uuid": "uuid", "word": "word"}
+
+
+def _niah(rng, kind: str, depth: float, n_keys: int, n_values: int):
+    noun = _KIND_NOUN[kind]
+    used_k: set = set()
+    used_v: set = set()
+    keys = [_key(rng, used_k) for _ in range(n_keys)]
+    values = [[_value(rng, kind, used_v) for _ in range(n_values if i == 0 else 1)]
+              for i in range(n_keys)]
+    # Asked key's values: the first at depth, the rest at seeded positions; distractor keys too.
+    items = [(depth, _NIAH_LINE.format(kind=noun, key=keys[0], value=values[0][0]))]
+    for pos, v in zip(_spread(rng, n_values - 1), values[0][1:]):
+        items.append((pos, _NIAH_LINE.format(kind=noun, key=keys[0], value=v)))
+    for pos, k, vs in zip(_spread(rng, n_keys - 1), keys[1:], values[1:]):
+        items.append((pos, _NIAH_LINE.format(kind=noun, key=k, value=vs[0])))
+    head = _NIAH_HEAD.format(kind=noun)
+    if n_values == 1:
+        question = f"What is the special magic {noun} for {keys[0]} mentioned in the text?"
+        primer = f"The special magic {noun} for {keys[0]} mentioned in the text is:"
+    else:
+        question = (f"What are all the special magic {noun}s for {keys[0]} mentioned in the "
+                    "text?")
+        primer = f"The special magic {noun}s for {keys[0]} mentioned in the text are:"
+
+    def build(n: int):
+        return " ".join([head, *_insert(_noise(n), items)]), question, primer
+
+    meta = {"key": keys[0], "distractor_keys": keys[1:], "positions": [p for p, _ in items]}
+    return build, list(values[0]), meta
+
+
+def _vt(rng, depth: float, hops: int = 4):
+    used: set = set()
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+             for _ in range(hops + 1)]
+    while len(set(names)) < len(names):  # redraw on a collision (deterministic)
+        names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+                 for _ in range(hops + 1)]
+    value = _value(rng, "number", used)[:5]
+    lines = [f"VAR {names[0]} = {value}."] + [
+        f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)
+    ]
+    # Hops follow the definition in order, at seeded positions between depth and the end.
+    pos = [depth] + sorted(_spread(rng, hops, depth, 1.0))
+    items = list(zip(pos, lines))
+    head = ("Memorize and track the chain(s) of variable assignment hidden in the following "
+            "text.")
+    question = (f"Find all variables that are assigned the value {value} in the text above.")
+    primer = (f"Answer: According to the chain(s) of variable assignment in the text above, "
+              f"{hops + 1} variables are assigned the value {value}, they are:")
+
+    def build(n: int):
+        return " ".join([head, *_insert(_noise(n), items)]), question, primer
+
+    return build, list(names), {"value": value, "chain": names}
+
+
+# (fact, question, primer): the primer ends where the fact puts the answer.
+_QA_TEMPLATES = (
+    ("The capital of the kingdom of {place} is {answer}.",
+     "What is the capital of the kingdom of {place}?",
+     "The capital of the kingdom of {place} is"),
+    ("The river of the valley of {place} is the {answer}.",
+     "What is the river of the valley of {place}?",
+     "The river of the valley of {place} is the"),
+    ("The founder of the guild of {place} was {answer}.",
+     "Who was the founder of the guild of {place}?",
+     "The founder of the guild of {place} was"),
+)
+_QA_FILL = (
+    "Its markets sell wool, salt and dried fish.",
+    "Travellers reach it by a long road through the hills.",
+    "The winters there are cold and the summers short.",
+    "Its people are known for their songs and their bread.",
+)
+
+
+def _qa(rng, depth: float):
+    t = rng.randrange(len(_QA_TEMPLATES))
+    fact, q, primer = _QA_TEMPLATES[t]
+    used: set = set()
+    place = _name(rng, used)
+    answer = _name(rng, used)
+    gold = fact.format(place=place, answer=answer)
+    question = q.format(place=place)
+    primer = primer.format(place=place)
+    head = ("Below are some documents. Answer the question based on the documents.")
+    # A distractor document: the same fact template about another place (different answer),
+    # or another template about the same place's neighbours.
+    pool_rng = random.Random(f"qa-pool:{rng.random()}")
+    distractors: list[str] = []
+
+    def doc(i: int, text: str) -> str:
+        return f"Document {i}: {text}"
+
+    def distractor(j: int) -> str:
+        while len(distractors) <= j:
+            tt = pool_rng.randrange(len(_QA_TEMPLATES))
+            p, a = _name(pool_rng, used, 4), _name(pool_rng, used, 4)
+            distractors.append(_QA_TEMPLATES[tt][0].format(place=p, answer=a) + " "
+                               + pool_rng.choice(_QA_FILL))
+        return distractors[j]
+
+    def build(n: int):
+        gold_at = round(depth * n)
+        docs, j = [], 0
+        for i in range(n + 1):
+            if i == gold_at:
+                docs.append(gold + " " + _QA_FILL[t % len(_QA_FILL)])
+            else:
+                docs.append(distractor(j))
+                j += 1
+        text = "\n".join(doc(i + 1, d) for i, d in enumerate(docs))
+        return f"{head}\n\n{text}", question, primer
+
+    return build, [answer], {"place": place, "template": t, "unit_tokens": 10}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _format(tokenizer, fmt: str, context: str, question: str, primer: str) -> str:
+    if fmt == "plain":
+        return f"{context}\n\n{question}\n{primer}"
+    if fmt != "chat":
+        raise ValueError(f"unknown fmt {fmt!r}; expected one of {FORMATS}")
+    msgs = [{"role": "user", "content": f"{context}\n\n{question}"}]
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + primer
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """The tokenizer's own encoding, special tokens included (Gemma's <bos>)."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def make_case(tokenizer, task: str, target_tokens: int, depth: float = 0.5, seed: int = 0,
+              fmt: str = "plain") -> EvalCase:
+    """One case of ``task`` whose prompt is as long as possible within ``target_tokens``."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError("depth must be in [0, 1]")
+    rng = random.Random(f"{task}:{seed}")
+    if task in ("niah_number", "niah_uuid", "niah_word"):
+        build, answers, meta = _niah(rng, task.split("_")[1], depth, 1, 1)
+    elif task == "niah_multikey":
+        build, answers, meta = _niah(rng, "number", depth, 4, 1)
+    elif task == "niah_multivalue":
+        build, answers, meta = _niah(rng, "number", depth, 1, 4)
+    elif task == "vt":
+        build, answers, meta = _vt(rng, depth)
+    elif task == "qa":
+        build, answers, meta = _qa(rng, depth)
+    else:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+
+    def text(n: int) -> str:
+        return _format(tokenizer, fmt, *build(n))
+
+    # Upper bound on haystack units: a noise sentence is >= 3 tokens, a document >= 10.
+    hi = max(1, target_tokens // meta.pop("unit_tokens", 3))
+    n = _fit(lambda n: encode(tokenizer, text(n)), target_tokens, hi=hi)
+    prompt = text(n)
+    _, question, _ = build(n)
+    return EvalCase(task=task, target_tokens=target_tokens, depth=depth, seed=seed, fmt=fmt,
+                    prompt=prompt, input_ids=encode(tokenizer, prompt), answers=answers,
+                    question=question, max_new_tokens=MAX_NEW_TOKENS[task],
+                    meta={**meta, "n_units": n})
+
+
+def make_cases(tokenizer, tasks: Iterable[str] = TASKS,
+               lengths: Iterable[int] = (1024, 2048, 4096, 8192),
+               depths: Iterable[float] = (0.1, 0.5, 0.9), seeds: Iterable[int] = (0,),
+               fmt: str = "plain") -> list[EvalCase]:
+    """The task x length x depth x seed grid, in that nesting order."""
+    lengths, depths, seeds = list(lengths), list(depths), list(seeds)
+    return [make_case(tokenizer, t, L, d, s, fmt)
+            for t in tasks for L in lengths for d in depths for s in seeds]
+
+
+def fingerprint(cases: Sequence[EvalCase]) -> str:
+    """A short hash of every case's ids and answers (determinism checks, result files)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for c in cases:
+        h.update(c.name.encode())
+        h.update(",".join(map(str, c.input_ids)).encode())
+        h.update("|".join(c.answers).encode())
+    return h.hexdigest()[:16]
