@@ -1,0 +1,83 @@
+"""Plots of the H200 results in benchmarks/results (run here, after the GPU runs wrote the JSON).
+
+    python benchmarks/plot_results.py
+
+* speedup_vs_length_h200.png: measured TTFT speedup over dense against prompt length, per
+  keep-ratio schedule, with the FLOP-ideal speedup for the tokens actually kept (dashed)
+  (prefill_h200_flashinfer.json, static prefill, one request);
+* ttft_vs_concurrency_h200.png: mean TTFT of dense SGLang and UniPrefill servers under
+  sglang.bench_serving at 32K and 64K inputs, against concurrency (serving_h200_flashinfer.json).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def plot_speedup(plt, src: Path, dst: Path) -> None:
+    rows = json.loads(src.read_text())["rows"]
+    by_schedule = defaultdict(list)
+    for r in rows:
+        by_schedule[r["schedule"]].append(r)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (schedule, rs) in enumerate(sorted(by_schedule.items())):
+        rs.sort(key=lambda r: r["length"])
+        xs = [r["length"] // 1024 for r in rs]
+        color = f"C{i}"
+        ax.plot(xs, [r["speedup"] for r in rs], "o-", color=color,
+                label=f"keep {schedule} (measured)")
+        ax.plot(xs, [r["flop_ideal"] for r in rs], "--", color=color, alpha=0.6,
+                label=f"keep {schedule} (FLOP-ideal)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([8, 32, 64, 128], ["8K", "32K", "64K", "128K"])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("TTFT speedup over dense")
+    ax.set_title("UniPrefill, Llama-3.1-8B shape, H200, FlashInfer")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+
+
+def plot_serving(plt, src: Path, dst: Path) -> None:
+    rows = [r for r in json.loads(src.read_text())["rows"] if "error" not in r]
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for name, style in (("dense", "s-"), ("uniprefill", "o-")):
+            rs = sorted((r for r in rows if r["server"] == name and r["length"] == length),
+                        key=lambda r: r["concurrency"])
+            ax.plot([r["concurrency"] for r in rs], [r["mean_ttft_ms"] / 1e3 for r in rs], style,
+                    label="dense SGLang" if name == "dense" else "UniPrefill (keep 0.5, 0.8)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("mean TTFT (s)")
+        ax.set_title(f"bench_serving, {length // 1024}K-token inputs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_speedup(plt, RESULTS / "prefill_h200_flashinfer.json",
+                 RESULTS / "speedup_vs_length_h200.png")
+    plot_serving(plt, RESULTS / "serving_h200_flashinfer.json",
+                 RESULTS / "ttft_vs_concurrency_h200.png")
+    print("wrote", RESULTS / "speedup_vs_length_h200.png", RESULTS / "ttft_vs_concurrency_h200.png")
+
+
+if __name__ == "__main__":
+    main()
