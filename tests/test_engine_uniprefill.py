@@ -13,6 +13,7 @@ shuts it down and returns the outputs; the tests compare them.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -24,6 +25,10 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 DECODE_48 = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
 META = "uniprefill"
 SINKS_PLUS_WINDOW = 128 + 128
+# Engines started by this module report a fingerprint of each request's kept positions per
+# stage (meta_info["uniprefill"][i]["kept_digest"]), so kept tokens compare position for
+# position, not only in number.
+os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
 
 
 def _story(seed: int, n_sentences: int) -> str:
@@ -65,6 +70,14 @@ def _kept(out) -> list:
     entries = [e for e in out["meta_info"].get(META, []) if e["reason"] != "decode"]
     assert entries, f"no {META!r} prefill entry in meta_info: {out['meta_info']}"
     return entries[-1]["kept_tokens"]
+
+
+def _kept_positions(out) -> list:
+    """Per drop, the fingerprint of the positions the request kept (UNIPREFILL_REPORT_KEPT)."""
+    entries = [e for e in out["meta_info"].get(META, []) if e["reason"] != "decode"]
+    digest = entries[-1].get("kept_digest")
+    assert digest, entries[-1]
+    return digest
 
 
 def _pool_state(engine, timeout_s: float = 30.0) -> dict:
@@ -213,6 +226,14 @@ def test_no_kv_slot_leaks(up_run, fresh_prefix_run):
     _assert_no_leak(fresh_prefix_run["pool"])
 
 
+def test_server_counts_the_keep_ratio_it_realised(up_run):
+    """The scheduler's cumulative scored/kept counters (what bench_serving_sweep reports)."""
+    pool = up_run["pool"]
+    dropped = [_kept(o) for o in up_run["p099"] + [up_run["ratio"]]]
+    assert pool["scored_tokens"] >= sum(k[0] for k in dropped)
+    assert 0 < pool["kept_tokens"] < pool["scored_tokens"]
+
+
 def test_no_drop_layers_is_token_identical_to_dense(smollm2_path, dense_run, fresh_prefix_run):
     engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, uniprefill_drop_layers="none")
     try:
@@ -276,6 +297,7 @@ def test_chunked_prefill_keeps_what_unchunked_keeps(chunked_run, up_run):
     for chunked, whole in zip(chunked_run["alone"], up_run["p099"]):
         assert chunked["meta_info"]["prompt_tokens"] > 8 * CHUNK
         assert _kept(chunked) == _kept(whole)
+        assert _kept_positions(chunked) == _kept_positions(whole)
         assert chunked["output_ids"] == whole["output_ids"]
 
 
@@ -283,6 +305,7 @@ def test_two_chunked_requests_in_flight_do_not_disturb_each_other(chunked_run):
     alones = [chunked_run["alone"][0], chunked_run["alone_b"]]
     for together, alone in zip(chunked_run["together"], alones):
         assert _kept(together) == _kept(alone)
+        assert _kept_positions(together) == _kept_positions(alone)
         assert together["output_ids"] == alone["output_ids"]
 
 
