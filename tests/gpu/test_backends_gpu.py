@@ -20,11 +20,8 @@ that results are exact across kernels yet sensitive to which KV each layer sees:
   over the KV each layer holds, so a wrong per-stage view changes the tokens.
 
 Each engine configuration runs in a subprocess of its own, all of them concurrently (engine
-start-up dominates the wall time), and writes its results as JSON; the tests compare them.
-Set UNIPREFILL_GPU_TEST_LOG_DIR to keep the engines' logs. The subprocesses get the repo on
-PYTHONPATH and, when this interpreter does not see the package's `sglang.srt.plugins` entry point
-(on the lent H200 `pip` installs into another interpreter than `python`), a stand-in dist-info
-declaring it. A workload stuck for WORKLOAD_TIMEOUT_S dumps the Python stacks of the engine and
+start-up dominates the wall time), and writes its results as JSON; the tests compare them
+(engine_harness.py; UNIPREFILL_GPU_TEST_LOG_DIR keeps the engines' logs). A workload stuck for WORKLOAD_TIMEOUT_S dumps the Python stacks of the engine and
 its scheduler (SIGABRT + PYTHONFAULTHANDLER) into the log.
 """
 
@@ -34,7 +31,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +38,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_harness import EngineResults, cuda_device_count, log_dir_or, run_engines  # noqa: E402
 
 VOCAB = 1024
 HIDDEN = 1024
@@ -305,91 +305,17 @@ def run_engine(name: str, model_dir: str, out_path: str) -> None:
 
 
 # ---- pytest side -------------------------------------------------------------------------------
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-
-
-def _engine_env(tmp: Path) -> dict:
-    """Environment of the engine subprocesses: the repo importable and, if the package is not
-    installed where this interpreter looks (its `sglang.srt.plugins` entry point missing), a
-    stand-in dist-info declaring it, so SGLang's plugin loader finds it in every process."""
-    from importlib.metadata import entry_points
-
-    paths = [str(REPO_ROOT)]
-    if "uniprefill" not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}:
-        dist = tmp / "plugin_site" / "uniprefill_sglang_gputest-0.0.0.dist-info"
-        dist.mkdir(parents=True)
-        (dist / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: uniprefill-sglang-gputest\nVersion: 0.0.0\n")
-        (dist / "entry_points.txt").write_text(
-            "[sglang.srt.plugins]\nuniprefill = uniprefill_sglang.plugin:load\n")
-        paths.insert(0, str(dist.parent))
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(paths))
-
-
 @pytest.fixture(scope="module")
 def results():
-    if not _cuda_available():
+    if cuda_device_count() < 1:
         pytest.skip("CUDA not available")
-    log_dir = os.environ.get("UNIPREFILL_GPU_TEST_LOG_DIR")
     with tempfile.TemporaryDirectory(prefix="uniprefill-gpu-") as tmp:
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model")
-        logs = Path(log_dir) if log_dir else tmp
-        logs.mkdir(parents=True, exist_ok=True)
-        env = _engine_env(tmp)
-        procs = {}
-        t0 = time.time()
-        for name in ENGINES:
-            log = open(logs / f"engine_{name}.log", "w")
-            procs[name] = (subprocess.Popen(
-                [sys.executable, __file__, name, model_dir, str(tmp / f"{name}.json")],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            ), log)
-        failed = {}
-        for name, (proc, log) in procs.items():
-            try:
-                rc = proc.wait(timeout=max(1, TIMEOUT_S - (time.time() - t0)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "timeout"
-            log.close()
-            if rc != 0:
-                failed[name] = f"engine {name} failed (rc {rc}):\n" + (
-                    logs / f"engine_{name}.log").read_text()[-8000:]
-        out = {n: json.loads((tmp / f"{n}.json").read_text()) for n in ENGINES
-               if n not in failed}
-        if log_dir:
-            (logs / "results.json").write_text(json.dumps(out))
-        print("engine wall time %.0f s; workload s: %s" % (
-            time.time() - t0, {n: round(r["workload_s"], 1) for n, r in out.items()}))
-        yield _Results(out, failed)
-
-
-class _Results:
-    """Engine results by name; a test touching an engine that failed fails with its log."""
-
-    def __init__(self, out: dict, failed: dict):
-        self.out, self.failed = out, failed
-
-    def __getitem__(self, name: str) -> dict:
-        if name in self.failed:
-            pytest.fail(self.failed[name])
-        res = self.out[name]
-        errors = res.get("errors")
-        if errors:
-            pytest.fail(f"engine {name}: scenarios failed: {errors}")
-        return res
+        out, failed = run_engines(__file__, ENGINES, model_dir, tmp, log_dir_or(tmp), TIMEOUT_S,
+                                  prefix="engine_")
+        print("workload s: %s" % {n: round(r["workload_s"], 1) for n, r in out.items()})
+        yield EngineResults(out, failed)
 
 
 def _outputs(res: dict) -> dict:

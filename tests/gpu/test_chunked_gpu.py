@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +33,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_backends_gpu import (  # noqa: E402
-    _cuda_available, _engine_env, _flush, _prompt, _record, build_model,
-)
+from engine_harness import EngineResults, cuda_device_count, log_dir_or, run_engines  # noqa: E402
+from test_backends_gpu import _flush, _prompt, _record, build_model  # noqa: E402
 
 ENGINE_KWARGS = dict(
     enable_uniprefill=True,
@@ -95,43 +93,14 @@ def run_engine(name: str, model_dir: str, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    if not _cuda_available():
+    if cuda_device_count() < 1:
         pytest.skip("CUDA not available")
-    log_dir = os.environ.get("UNIPREFILL_GPU_TEST_LOG_DIR")
     with tempfile.TemporaryDirectory(prefix="uniprefill-chunked-") as tmp:
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model", qk_std=QK_STD, max_positions=8192)
-        logs = Path(log_dir) if log_dir else tmp
-        logs.mkdir(parents=True, exist_ok=True)
-        env, procs, t0 = _engine_env(tmp), {}, time.time()
-        for name in ENGINES:  # all at once on one GPU: start-up dominates
-            log = open(logs / f"chunked_engine_{name}.log", "w")
-            procs[name] = (subprocess.Popen(
-                [sys.executable, __file__, name, model_dir, str(tmp / f"{name}.json")],
-                stdout=log, stderr=subprocess.STDOUT, env=env), log)
-        out, failed = {}, {}
-        for name, (proc, log) in procs.items():
-            try:
-                rc = proc.wait(timeout=max(1, TIMEOUT_S - (time.time() - t0)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "timeout"
-            log.close()
-            if rc == 0:
-                out[name] = json.loads((tmp / f"{name}.json").read_text())
-            else:
-                failed[name] = f"engine {name} rc {rc}:\n" + (
-                    logs / f"chunked_engine_{name}.log").read_text()[-6000:]
-        if log_dir:
-            (logs / "chunked_results.json").write_text(json.dumps(out))
-        yield out, failed
-
-
-def _get(results, name):
-    out, failed = results
-    if name in failed:
-        pytest.fail(failed[name])
-    return out[name]
+        # All at once on one GPU: start-up dominates.
+        yield EngineResults(*run_engines(__file__, ENGINES, model_dir, tmp, log_dir_or(tmp),
+                                         TIMEOUT_S, prefix="chunked_engine_"))
 
 
 def _meta(rec) -> dict:
@@ -146,8 +115,8 @@ def _same_positions(a: list, b: list) -> float:
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
 def test_chunked_keeps_what_unchunked_keeps(results, pair):
     """Chunking may move a kept block no more often than switching attention kernels does."""
-    whole, chunked = (_get(results, n) for n in pair)
-    other_whole = _get(results, "tr_whole" if pair[0] == "fi_whole" else "fi_whole")
+    whole, chunked = (results[n] for n in pair)
+    other_whole = results["tr_whole" if pair[0] == "fi_whole" else "fi_whole"]
     for variant in ("keep", "top_p"):
         w = [_meta(r) for r in whole[variant]]
         c = [_meta(r) for r in chunked[variant]]
@@ -168,7 +137,7 @@ def test_chunked_keeps_what_unchunked_keeps(results, pair):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_no_parked_state_or_slot_left(results, name):
-    state = _get(results, name)["state"]
+    state = results[name]["state"]
     assert state["idle"] and state["parked_requests"] == 0, state
     assert state["available_kv_tokens"] + state["evictable_kv_tokens"] == \
         state["max_total_num_tokens"], state

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_backends_gpu import _engine_env, _flush, _prompt, _record, build_model  # noqa: E402
+from engine_harness import EngineResults, cuda_device_count, log_dir_or, run_engines  # noqa: E402
+from test_backends_gpu import _flush, _prompt, _record, build_model  # noqa: E402
 
 ENGINE_KWARGS = dict(
     enable_uniprefill=True,
@@ -114,51 +114,16 @@ def run_engine(name: str, model_dir: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(res))
 
 
-def _gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def results():
-    if _gpu_count() < 2:
+    if cuda_device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    log_dir = os.environ.get("UNIPREFILL_GPU_TEST_LOG_DIR")
     with tempfile.TemporaryDirectory(prefix="uniprefill-tp-") as tmp:
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model", qk_std=QK_STD, max_positions=8192)
-        logs = Path(log_dir) if log_dir else tmp
-        logs.mkdir(parents=True, exist_ok=True)
-        env, out, failed, t0 = _engine_env(tmp), {}, {}, time.time()
-        for name in ENGINES:  # one at a time: TP=2 holds both GPUs
-            log_path = logs / f"tp_engine_{name}.log"
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, __file__, name, model_dir, str(tmp / f"{name}.json")],
-                    stdout=log, stderr=subprocess.STDOUT, env=env)
-                try:
-                    rc = proc.wait(timeout=max(1, TIMEOUT_S - (time.time() - t0)))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    rc = "timeout"
-            if rc == 0:
-                out[name] = json.loads((tmp / f"{name}.json").read_text())
-            else:
-                failed[name] = f"engine {name} rc {rc}:\n" + log_path.read_text()[-6000:]
-        if log_dir:
-            (logs / "tp_results.json").write_text(json.dumps(out))
-        yield out, failed
-
-
-def _get(results, name):
-    out, failed = results
-    if name in failed:
-        pytest.fail(failed[name])
-    return out[name]
+        # One at a time: TP=2 holds both GPUs.
+        yield EngineResults(*run_engines(__file__, ENGINES, model_dir, tmp, log_dir_or(tmp),
+                                         TIMEOUT_S, prefix="tp_engine_", concurrent=False))
 
 
 def _agreement(a: list, b: list, key: str) -> float:
@@ -176,7 +141,7 @@ def _kept(recs: list) -> list:
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
 def test_tp2_keeps_what_tp1_keeps(results, pair):
-    tp1, tp2 = (_get(results, n) for n in pair)
+    tp1, tp2 = (results[n] for n in pair)
     for variant in ("keep", "top_p"):
         assert all(r["uniprefill"][-1]["enabled"] for r in tp2[variant])
         if variant == "keep":  # a keep ratio fixes the counts; top-p counts follow the scores
@@ -197,7 +162,7 @@ def test_tp2_greedy_tokens_match_tp1(results, pair):
     """The first token (the prefill's) must match; later tokens are reported, not asserted: this
     model's greedy decode amplifies bf16 noise (dense TP=1 and TP=2 diverge within 16 tokens on
     about half the prompts, measured on the H200), so whole-sequence equality is no test of TP."""
-    tp1, tp2 = (_get(results, n) for n in pair)
+    tp1, tp2 = (results[n] for n in pair)
     dense_first = _first_token_agreement(tp1["dense"], tp2["dense"])
     dense_full = _agreement(tp1["dense"], tp2["dense"], "output_ids")
     assert dense_first >= 0.85
@@ -211,7 +176,7 @@ def test_tp2_greedy_tokens_match_tp1(results, pair):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_no_degenerate_output_and_no_leak(results, name):
-    res = _get(results, name)
+    res = results[name]
     load = res["load"]
     assert len(load) == LOAD_N and all(len(r["output_ids"]) == 8 for r in load)
     degenerate = [r["output_ids"] for r in load if len(set(r["output_ids"])) == 1]

@@ -1,0 +1,113 @@
+"""Runs GPU test engines in subprocesses of their own and collects their JSON results.
+
+Each GPU test module is also a script: `python <module> NAME MODEL_DIR OUT_JSON` starts the
+engine configuration NAME, runs the module's workload and writes its results. This module starts
+those processes (all at once, or one after another when they need the same GPUs), waits for them
+within one time budget and hands the results to the tests; an engine that failed makes every
+test touching it fail with the end of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def engine_env(tmp: Path) -> dict:
+    """Environment of the engine subprocesses: the repo importable and, if the package is not
+    installed where this interpreter looks (its `sglang.srt.plugins` entry point missing), a
+    stand-in dist-info declaring it, so SGLang's plugin loader finds it in every process."""
+    from importlib.metadata import entry_points
+
+    paths = [str(REPO_ROOT)]
+    if "uniprefill" not in {ep.name for ep in entry_points(group="sglang.srt.plugins")}:
+        dist = tmp / "plugin_site" / "uniprefill_sglang_gputest-0.0.0.dist-info"
+        dist.mkdir(parents=True, exist_ok=True)
+        (dist / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: uniprefill-sglang-gputest\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text(
+            "[sglang.srt.plugins]\nuniprefill = uniprefill_sglang.plugin:load\n")
+        paths.insert(0, str(dist.parent))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(paths))
+
+
+def log_dir_or(tmp: Path) -> Path:
+    """UNIPREFILL_GPU_TEST_LOG_DIR keeps the engines' logs and results; else the temp folder."""
+    logs = Path(os.environ.get("UNIPREFILL_GPU_TEST_LOG_DIR") or tmp)
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs
+
+
+def run_engines(script: str, names: Iterable[str], model_dir: str, tmp: Path, logs: Path,
+                timeout_s: float, prefix: str, concurrent: bool = True):
+    """Run `python script NAME model_dir tmp/NAME.json` for every name; returns (results by
+    name, failure messages by name). All engines share the timeout_s budget."""
+    names = list(names)
+    env, t0 = engine_env(tmp), time.time()
+    out, failed = {}, {}
+
+    def start(name):
+        log = open(logs / f"{prefix}{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, script, name, model_dir, str(tmp / f"{name}.json")],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        return proc, log
+
+    def finish(name, proc, log):
+        try:
+            rc = proc.wait(timeout=max(1, timeout_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        if rc == 0:
+            out[name] = json.loads((tmp / f"{name}.json").read_text())
+        else:
+            failed[name] = f"engine {name} failed (rc {rc}):\n" + (
+                logs / f"{prefix}{name}.log").read_text()[-8000:]
+
+    if concurrent:
+        procs = {name: start(name) for name in names}
+        for name, (proc, log) in procs.items():
+            finish(name, proc, log)
+    else:
+        for name in names:
+            finish(name, *start(name))
+    (logs / f"{prefix}results.json").write_text(json.dumps(out))
+    print(f"{prefix}engines: {time.time() - t0:.0f} s wall, failed: {sorted(failed)}")
+    return out, failed
+
+
+class EngineResults:
+    """Engine results by name; a test touching an engine that failed fails with its log."""
+
+    def __init__(self, out: dict, failed: dict):
+        self.out, self.failed = out, failed
+
+    def __getitem__(self, name: str) -> dict:
+        if name in self.failed:
+            pytest.fail(self.failed[name])
+        res = self.out[name]
+        errors = res.get("errors")
+        if errors:
+            pytest.fail(f"engine {name}: scenarios failed: {errors}")
+        return res
