@@ -430,7 +430,8 @@ def parse_args(argv=None):
     ap.add_argument("--engine-kwargs", default="{}",
                     help='JSON of sglang.Engine kwargs, e.g. \'{"dtype": "bfloat16"}\'')
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {TASKS}")
-    ap.add_argument("--lengths", default="1024,2048,4096,8000", help="prompt token budgets (SmolLM2: up to 8192)")
+    ap.add_argument("--lengths", default="1024,2048,4096",
+                    help="prompt token budgets (SmolLM2: up to 8000; its context is 8192)")
     ap.add_argument("--depths", default="0.5", help="needle depths in [0, 1], e.g. 0.1,0.5,0.9")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--fmt", default="plain", choices=FORMATS)

