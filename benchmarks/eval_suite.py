@@ -200,6 +200,14 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
         target = target_factory(overrides)
         timing["engines"].append({"overrides": overrides, "startup_s": target.startup_s})
         try:
+            # Warm-up, not recorded: an engine's first requests pay one-off costs that would
+            # land on whichever of dense / UniPrefill goes first.
+            if cases:
+                warm = cases[0].input_ids[:1024]
+                for custom in (DENSE, {}):
+                    _flush(target)
+                    target.generate(warm, {"temperature": 0.0, "max_new_tokens": 2,
+                                           "custom_params": custom})
             n_req = len(cases) * (len(cfgs) + (0 if dense_done else 1))
             bar = tqdm(total=n_req, desc=f"engine {overrides or 'default'}", unit="req",
                        disable=not progress, file=sys.stderr)
