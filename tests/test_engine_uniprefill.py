@@ -329,3 +329,32 @@ def test_input_logprobs_fall_back_to_dense(chunked_run):
     reasons = {e["reason"] for e in out["meta_info"][META]}
     assert reasons == {"logprobs requested in the batch"}, reasons
     assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]
+
+
+# ---- the parking budget: past it, the documented fallback -------------------------------------
+PARK_BUDGET = 512
+
+
+@pytest.fixture(scope="module")
+def over_budget_run(smollm2_path):
+    engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, chunked_prefill_size=CHUNK,
+                             uniprefill_max_parked_tokens=PARK_BUDGET)
+    try:
+        out = engine.generate(LONG_PROMPTS[0], GREEDY)
+        return {"out": out, "pool": _pool_state(engine)}
+    finally:
+        engine.shutdown()
+
+
+def test_prompt_over_the_parking_budget_falls_back_to_its_final_chunk(over_budget_run):
+    """--uniprefill-max-parked-tokens bounds the parked state: a longer prompt parks nothing,
+    its earlier chunks run dense and only its final chunk's tokens are candidates (within the
+    budget every prompt token is: test_chunked_prefill_keeps_what_unchunked_keeps)."""
+    out = over_budget_run["out"]
+    prompt_tokens = out["meta_info"]["prompt_tokens"]
+    assert prompt_tokens > PARK_BUDGET + CHUNK
+    assert _kept(out)[0] <= CHUNK < prompt_tokens
+    assert len(out["output_ids"]) > 0
+    state = over_budget_run["pool"]
+    assert state["parked_requests"] == 0
+    _assert_no_leak(state)
