@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from uniprefill_sglang.retrieval import FILLER_SENTENCES, _fit, _uuid_like
+from uniprefill_sglang.retrieval import FILLER_SENTENCES, _fit, _format, _uuid_like
 
 TASKS = (
     "niah_number",
@@ -294,15 +294,6 @@ def _qa(rng, depth: float):
 # ---------------------------------------------------------------------------------------------
 
 
-def _format(tokenizer, fmt: str, context: str, question: str, primer: str) -> str:
-    if fmt == "plain":
-        return f"{context}\n\n{question}\n{primer}"
-    if fmt != "chat":
-        raise ValueError(f"unknown fmt {fmt!r}; expected one of {FORMATS}")
-    msgs = [{"role": "user", "content": f"{context}\n\n{question}"}]
-    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + primer
-
-
 def encode(tokenizer, text: str) -> list[int]:
     """The tokenizer's own encoding, special tokens included (Gemma's <bos>)."""
     return list(tokenizer(text)["input_ids"])
@@ -313,6 +304,8 @@ def make_case(tokenizer, task: str, target_tokens: int, depth: float = 0.5, seed
     """One case of ``task`` whose prompt is as long as possible within ``target_tokens``."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError("depth must be in [0, 1]")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown fmt {fmt!r}; expected one of {FORMATS}")
     rng = random.Random(f"{task}:{seed}")
     if task in ("niah_number", "niah_uuid", "niah_word"):
         build, answers, meta = _niah(rng, task.split("_")[1], depth, 1, 1)
