@@ -126,17 +126,17 @@ def results():
                                          TIMEOUT_S, prefix="tp_engine_", concurrent=False))
 
 
-def _agreement(a: list, b: list, key: str) -> float:
-    same = sum(x.get(key) == y.get(key) for x, y in zip(a, b))
-    return same / len(a)
+def _share_equal(a: list, b: list) -> float:
+    """Fraction of positions where the two lists hold equal values."""
+    return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
-def _digests(recs: list) -> list:
-    return [{"d": (r["uniprefill"] or [{}])[-1].get("kept_digest")} for r in recs]
+def _meta(recs: list, key: str) -> list:
+    return [(r["uniprefill"] or [{}])[-1].get(key) for r in recs]
 
 
-def _kept(recs: list) -> list:
-    return [{"k": (r["uniprefill"] or [{}])[-1].get("kept_tokens")} for r in recs]
+def _outputs(recs: list, first_only: bool = False) -> list:
+    return [r["output_ids"][:1] if first_only else r["output_ids"] for r in recs]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
@@ -145,16 +145,13 @@ def test_tp2_keeps_what_tp1_keeps(results, pair):
     for variant in ("keep", "top_p"):
         assert all(r["uniprefill"][-1]["enabled"] for r in tp2[variant])
         if variant == "keep":  # a keep ratio fixes the counts; top-p counts follow the scores
-            assert _kept(tp1[variant]) == _kept(tp2[variant])
+            assert _meta(tp1[variant], "kept_tokens") == _meta(tp2[variant], "kept_tokens")
         dropped = [r["uniprefill"][-1]["kept_tokens"] for r in tp2[variant]]
         assert any(k[-1] < k[0] for k in dropped), dropped
-        agree = _agreement(_digests(tp1[variant]), _digests(tp2[variant]), "d")
+        d1, d2 = _meta(tp1[variant], "kept_digest"), _meta(tp2[variant], "kept_digest")
+        agree = _share_equal(d1, d2)
         print(f"{pair}: {variant}: kept positions equal on {agree:.0%} of requests")
-        assert agree >= 0.7, (variant, _digests(tp1[variant]), _digests(tp2[variant]))
-
-
-def _first_token_agreement(a: list, b: list) -> float:
-    return sum(x["output_ids"][:1] == y["output_ids"][:1] for x, y in zip(a, b)) / len(a)
+        assert agree >= 0.7, (variant, d1, d2)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
@@ -163,12 +160,12 @@ def test_tp2_greedy_tokens_match_tp1(results, pair):
     model's greedy decode amplifies bf16 noise (dense TP=1 and TP=2 diverge within 16 tokens on
     about half the prompts, measured on the H200), so whole-sequence equality is no test of TP."""
     tp1, tp2 = (results[n] for n in pair)
-    dense_first = _first_token_agreement(tp1["dense"], tp2["dense"])
-    dense_full = _agreement(tp1["dense"], tp2["dense"], "output_ids")
+    dense_first = _share_equal(_outputs(tp1["dense"], True), _outputs(tp2["dense"], True))
+    dense_full = _share_equal(_outputs(tp1["dense"]), _outputs(tp2["dense"]))
     assert dense_first >= 0.85
     for variant in ("keep", "top_p", "radix", "load"):
-        first = _first_token_agreement(tp1[variant], tp2[variant])
-        full = _agreement(tp1[variant], tp2[variant], "output_ids")
+        first = _share_equal(_outputs(tp1[variant], True), _outputs(tp2[variant], True))
+        full = _share_equal(_outputs(tp1[variant]), _outputs(tp2[variant]))
         print(f"{pair}: {variant}: first token equal on {first:.0%}, all tokens on {full:.0%} "
               f"(dense: {dense_first:.0%}, {dense_full:.0%})")
         assert first >= 0.85, (variant, first)
