@@ -210,7 +210,6 @@ def main() -> None:
                 sweep(server, model, args, out_dir, rows, lock, save)
             finally:
                 server.stop()
-            save()
     setup["command"] = " ".join(sys.argv)
     save()
     print("| length | conc | dense mean/median/p99 TTFT ms | UniPrefill mean/median/p99 TTFT ms "
