@@ -29,6 +29,9 @@ SINKS_PLUS_WINDOW = 128 + 128
 # stage (meta_info["uniprefill"][i]["kept_digest"]), so kept tokens compare position for
 # position, not only in number.
 os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
+# ... and check at every drop and decode step that the per-stage KV lengths kept on the host
+# (what FlashInfer plans with, without a device sync) equal what the slots say on the device.
+os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
 
 
 def _story(seed: int, n_sentences: int) -> str:

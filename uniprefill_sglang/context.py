@@ -30,6 +30,10 @@ class DropContext:
     fixed_lens: Optional[List[int]] = None
     # Per request: does it hold KV missing in some layer (sparse prefix or a drop this step)?
     sparse: Optional[List[bool]] = None
+    # Extend, per request and stage 0..D: slots of its cached prefix holding KV for that stage.
+    prefix_valid: Optional[List[List[int]]] = None
+    # Decode, per request: the KV it lacks at stages 1..D (host mirror, kv_validity.KVGaps).
+    kv_gaps: Optional[List[tuple]] = None
     # Rows the hidden states must be gathered to, and the row count they have before it.
     pending_rows: Optional[torch.Tensor] = None
     rows_before_pending: int = 0
@@ -46,6 +50,7 @@ class DropContext:
     to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
     park_sink: Optional[object] = None  # callable(rid, hidden_rows, residual_rows)
     ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking this step
     finished_parking: List[str] = dataclasses.field(default_factory=list)
 
     @property

@@ -17,7 +17,7 @@ import torch
 from uniprefill_sglang import kernels
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, set_current
-from uniprefill_sglang.kv_validity import LayerStages, SlotStages
+from uniprefill_sglang.kv_validity import KVGaps, LayerStages, SlotStages, gather_seq_slots
 from uniprefill_sglang.request_plan import is_prefill_mode, log_fallback_once
 from uniprefill_sglang.tp_agreement import check_enabled
 
@@ -48,11 +48,14 @@ class UniPrefillRuntime:
         # Debug: report a fingerprint of each request's kept positions per stage, so runs can
         # be compared token for token (TP=1 vs TP=2); one host sync per drop.
         self.report_kept_positions = os.environ.get("UNIPREFILL_REPORT_KEPT", "0") == "1"
+        # Debug: check the host-side KV lengths against the device at every use (one sync each).
+        self.check_kv_lens = os.environ.get("UNIPREFILL_CHECK_KV_LENS", "0") == "1"
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, req_to_token_pool.req_to_token.shape[0],
                                 stages.num_drops, device)
-        # Host mirror of slots.req_sparse, so decode steps need no device sync to read it.
-        self.req_sparse_host = bytearray(req_to_token_pool.req_to_token.shape[0])
+        # Host mirror of the KV each request lacks per stage: decode steps read their sparsity
+        # and per-stage KV lengths from it without a device sync.
+        self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         # Chunked prefill: rid -> ParkedRows; rids whose prompt exceeds the parking budget.
         self.parked: dict = {}
         self.refused_parking: set = set()
@@ -83,10 +86,13 @@ class UniPrefillRuntime:
             ctx.lens = list(fb.extend_seq_lens_cpu)
             ctx.fixed_lens = list(fb.extend_prefix_lens_cpu or [0] * len(ctx.lens))
             ctx.kept.append(list(ctx.lens))
-            ctx.sparse = self._prefix_sparsity(fb)
+            ctx.prefix_valid = self._prefix_valid(fb)
+            ctx.sparse = [valid[-1] < plen for valid, plen in zip(ctx.prefix_valid, ctx.fixed_lens)]
         elif mode.is_decode() and self.has_schedule:
-            rows = self._host_rows(fb)
-            ctx.sparse = [bool(self.req_sparse_host[r]) for r in rows]
+            ctx.kv_gaps = [self.kv_gaps.get(r) for r in self._host_rows(fb)]
+            ctx.sparse = [any(g) for g in ctx.kv_gaps]
+            if self.check_kv_lens and any(ctx.sparse):
+                self._check_decode_gaps(fb, ctx.kv_gaps)
         set_current(ctx)
         return ctx
 
@@ -102,8 +108,34 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             flags = torch.tensor(ctx.sparse, dtype=torch.bool, device=fb.req_pool_indices.device)
             self.slots.req_sparse[fb.req_pool_indices] = flags
-            for row, flag in zip(self._host_rows(fb), ctx.sparse):
-                self.req_sparse_host[row] = flag
+            self._record_gaps(ctx)
+
+    def _record_gaps(self, ctx: DropContext) -> None:
+        """After an extend: per request, the KV each stage after the first lacks, from the
+        host-known counts (valid prefix + rows that entered the stage; a parking chunk's one
+        row past the first drop is marked dropped at end_forward, so it does not count)."""
+        fb = ctx.forward_batch
+        prefix_lens = fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu)
+        for b, row in enumerate(self._host_rows(fb)):
+            seq_len = prefix_lens[b] + fb.extend_seq_lens_cpu[b]
+            ghost = 1 if b in ctx.parked_now else 0
+            gaps = []
+            for s in range(1, self.stages.num_drops + 1):
+                entered = ctx.kept[min(s, len(ctx.kept) - 1)][b] - ghost
+                gaps.append(seq_len - ctx.prefix_valid[b][s] - entered)
+            self.kv_gaps.set(row, gaps)
+
+    def _check_decode_gaps(self, fb, gaps) -> None:
+        """Debug: the host gaps of a decode batch equal what the device's slot stages say."""
+        bs = len(gaps)
+        seq_lens = fb.seq_lens_cpu[:bs].tolist()
+        slots, row = gather_seq_slots(self.req_to_token_pool.req_to_token,
+                                      fb.req_pool_indices[:bs], fb.seq_lens[:bs], sum(seq_lens))
+        valid = self.slots.valid_counts(slots, row, bs)[:, 1:].tolist()
+        device_gaps = [tuple(n - v for v in vs) for n, vs in zip(seq_lens, valid)]
+        if device_gaps != [tuple(g) for g in gaps]:
+            raise RuntimeError(f"UniPrefill: decode KV gaps on the host {gaps} != device "
+                               f"{device_gaps}")
 
     def _count_kept(self, ctx: DropContext) -> None:
         """Count the requests that went through every drop (not the chunks that parked)."""
@@ -120,18 +152,24 @@ class UniPrefillRuntime:
             rows = fb.req_pool_indices.tolist()
         return rows
 
-    def _prefix_sparsity(self, fb) -> list:
-        """Per request: does its cached prefix miss KV in some layer?"""
-        sparse = [False] * len(fb.extend_seq_lens_cpu)
-        if not self.has_schedule:
-            return sparse
-        prefix_lens = fb.extend_prefix_lens_cpu or [0] * len(sparse)
-        rows = fb.req_pool_indices.tolist()
-        req_to_token = self.req_to_token_pool.req_to_token
-        for b, (row, plen) in enumerate(zip(rows, prefix_lens)):
-            if plen > 0:
-                sparse[b] = bool(self.slots.count_sparse(req_to_token[row, :plen]).item())
-        return sparse
+    def _prefix_valid(self, fb) -> list:
+        """Per request, per stage 0..D: how many slots of its cached prefix hold KV for that
+        stage (one device read per batch with a prefix; the whole prefix when nothing is
+        dropped)."""
+        prefix_lens = fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu)
+        valid = [[plen] * (self.stages.num_drops + 1) for plen in prefix_lens]
+        with_prefix = [b for b, plen in enumerate(prefix_lens) if plen > 0]
+        if not self.has_schedule or not with_prefix:
+            return valid
+        device = fb.req_pool_indices.device
+        lens = [prefix_lens[b] for b in with_prefix]
+        slots, row = gather_seq_slots(
+            self.req_to_token_pool.req_to_token,
+            fb.req_pool_indices[torch.tensor(with_prefix, device=device)],
+            torch.tensor(lens, device=device), sum(lens))
+        for b, counts in zip(with_prefix, self.slots.valid_counts(slots, row, len(lens)).tolist()):
+            valid[b] = counts
+        return valid
 
     # ---- chunked prefill: parked rows ---------------------------------------------------
     def _park(self, rid: str, hidden: torch.Tensor, residual: torch.Tensor) -> None:
@@ -166,6 +204,23 @@ class UniPrefillRuntime:
         self._drop(ctx, layer, q)
         if self.report_kept_positions:
             ctx.kept_digest.append(position_digest(ctx))
+        if self.check_kv_lens:
+            self._check_extend_lens(ctx, self.stages.drop_index[layer.layer_id] + 1)
+
+    def _check_extend_lens(self, ctx: DropContext, stage: int) -> None:
+        """Debug: the KV a request holds for the layers after this drop is, as the extend views
+        assume, its valid prefix plus the rows still alive."""
+        fb = ctx.forward_batch
+        bs = len(ctx.lens)
+        seq_lens = [p + n for p, n in zip(fb.extend_prefix_lens_cpu or [0] * bs,
+                                          fb.extend_seq_lens_cpu)]
+        slots, row = gather_seq_slots(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                                      fb.seq_lens, sum(seq_lens))
+        device = self.slots.valid_counts(slots, row, bs)[:, stage].tolist()
+        host = [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)]
+        if device != host:
+            raise RuntimeError(f"UniPrefill: stage {stage} KV lengths on the host {host} != "
+                               f"device {device}")
 
     def _drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
         """At a drop layer, after its attention: keep the top blocks of each enabled request.
@@ -298,6 +353,7 @@ class UniPrefillRuntime:
             # All rows stop here and wait for the final chunk; the last one goes on alone so
             # the forward still yields the logits SGLang expects (they are discarded).
             ctx.to_park.append((decisions[b].rid, seg))
+            ctx.parked_now.append(b)
             keep_mask[seg[:-1]] = False
             self.slots.mark_dropped(ctx.out_cache_loc[seg[:-1]], stage)
             ctx.ghost_slots.append(ctx.out_cache_loc[seg[-1:]])

@@ -8,7 +8,7 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
 
 * Extend (EXTEND / MIXED): at the first layer of a stage that needs a view (stage > 0 and the
   batch is compacted or holds a sparse prefix) one paged prefill wrapper per stage is planned
-  with qo_indptr from `ctx.lens` and the compacted kv list (one host sync for the counts), cached
+  with qo_indptr from `ctx.lens` and the compacted kv list (lengths known on the host), cached
   on the drop context and run by every layer of that stage. Those layers write KV for the
   survivors only (`ctx.out_cache_loc`). Stage 0 and dense batches run upstream code.
 * Decode: for a batch with a sparse request, one decode wrapper per stage > 0 is planned once
@@ -17,155 +17,36 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
 * Decode CUDA graphs: every captured batch size gets one wrapper per stage, with per-stage
   static indptr / indices buffers (their int workspaces shared across batch sizes, since one
   graph replays at a time). On replay the buffers are refilled and re-planned outside the graph
-  (`fast_decode_plan`, host indptr known: no sync for dense batches, one for sparse ones).
+  (`fast_decode_plan`).
 
-The helpers at the top (gather / compaction on the device, no host sync) are shared with the
-Triton adapter.
+Decode never reads the device to plan: the index lists are compacted on the GPU, and their
+lengths come from the host (`seq_len` minus the request's KV gap at that stage, kept by the
+runtime since its prefill). A sync there would stall the overlap scheduler, which prepares the
+next decode step while the GPU runs this one.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
+from uniprefill_sglang.backends.common import (
+    active_runtime,
+    check_kv_lens,
+    decode_has_sparse,
+    decode_stage_kv_lens,
+    extend_needs_view,
+    extend_view_slots,
+    host_seq_lens,
+    seq_lens_sum,
+    stages_after_first,
+    view_cache,
+    write_kv,
+)
 from uniprefill_sglang.context import current
+from uniprefill_sglang.kv_validity import compact, decode_stage_views, gather_seq_slots
 from uniprefill_sglang.runtime import get_runtime
-
-
-# ---- shared helpers ------------------------------------------------------------------------
-def active_runtime():
-    """The runtime when UniPrefill is on with a drop schedule, else None (hooks stay inert)."""
-    runtime = get_runtime()
-    if runtime is None or not runtime.has_schedule:
-        return None
-    return runtime
-
-
-def extend_needs_view(ctx, runtime, layer) -> bool:
-    """Does this extend layer need a per-stage view (same rule as the torch_native adapter)?"""
-    if runtime is None or ctx is None or not ctx.is_extend or ctx.sparse is None:
-        return False
-    if getattr(layer, "is_cross_attention", False):
-        return False
-    if runtime.stages.stage(layer.layer_id) == 0:
-        return False  # stage 0 holds every token; compaction only starts after the first drop
-    return ctx.compacted or any(ctx.sparse)
-
-
-def decode_has_sparse(ctx) -> bool:
-    return ctx is not None and not ctx.is_extend and bool(ctx.sparse) and any(ctx.sparse)
-
-
-def stages_after_first(runtime) -> List[int]:
-    return list(range(1, runtime.stages.num_drops + 1))
-
-
-def segment_ids(lens: torch.Tensor, n: int) -> torch.Tensor:
-    """[0,0,1,2,2,2,...]: the segment of each of the n = sum(lens) elements."""
-    bs = lens.shape[0]
-    return torch.repeat_interleave(
-        torch.arange(bs, device=lens.device), lens.to(torch.int64), output_size=n
-    )
-
-
-def gather_seq_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, n: int):
-    """The slots of positions [0, seq_len) of each request, concatenated; and their segment ids."""
-    lens = seq_lens[: req_pool_indices.shape[0]].to(torch.int64)
-    row = segment_ids(lens, n)
-    start = torch.cumsum(lens, 0) - lens
-    col = torch.arange(n, device=lens.device) - start[row]
-    slots = req_to_token[req_pool_indices.to(torch.int64)[row], col]
-    return slots, row
-
-
-def compact(slots: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, bs: int,
-            out: Optional[torch.Tensor] = None, indptr_out: Optional[torch.Tensor] = None,
-            dtype: Optional[torch.dtype] = None):
-    """Keep `slots[keep]`, segment by segment, without a host sync.
-
-    Returns (counts[bs] int32, indptr[bs + 1] int32, indices). Kept entries land at their
-    compacted position; the others are scattered to the buffer's last element (a dump slot),
-    so `out` needs at least n + 1 elements.
-    """
-    device = slots.device
-    n = slots.shape[0]
-    counts = torch.zeros(bs, dtype=torch.int32, device=device)
-    if n:
-        counts.index_add_(0, row, keep.to(torch.int32))
-    indptr = indptr_out if indptr_out is not None else torch.empty(
-        bs + 1, dtype=torch.int32, device=device)
-    indptr = indptr[: bs + 1]
-    indptr[:1].zero_()
-    torch.cumsum(counts, 0, out=indptr[1:])
-    if out is None:
-        out = torch.empty(n + 1, dtype=dtype or slots.dtype, device=device)
-    elif out.numel() < n + 1:
-        raise RuntimeError(f"UniPrefill: KV index buffer of {out.numel()} entries is too small "
-                           f"for {n} candidate slots")
-    if n:
-        pos = torch.cumsum(keep, 0) - 1
-        dest = torch.where(keep, pos, out.numel() - 1)
-        out.scatter_(0, dest, slots.to(out.dtype))
-    return counts, indptr, out
-
-
-def decode_stage_views(runtime, req_to_token, req_pool_indices, seq_lens, n: int, raw_bs: int,
-                       stages, outs=None, indptr_outs=None, dtype=None):
-    """Per stage: the KV list of each decode request. Requests without sparse KV, and the
-    padding rows of a CUDA-graph batch (index >= raw_bs), keep their whole sequence."""
-    bs = req_pool_indices.shape[0]
-    slots, row = gather_seq_slots(req_to_token, req_pool_indices, seq_lens, n)
-    full = ~runtime.slots.req_sparse[req_pool_indices.to(torch.int64)]
-    if raw_bs < bs:
-        full[raw_bs:] = True
-    full_el = full[row]
-    st = runtime.slots.slot_stage[slots.to(torch.int64)]
-    views = {}
-    for s in stages:
-        keep = (st >= s) | full_el
-        views[s] = compact(slots, row, keep, bs,
-                           out=None if outs is None else outs[s],
-                           indptr_out=None if indptr_outs is None else indptr_outs[s],
-                           dtype=dtype)
-    return views
-
-
-def extend_stage_slots(runtime, req_to_token, forward_batch, stage: int):
-    """Extend at `stage`: every slot of each request's sequence with its validity at `stage`."""
-    fb = forward_batch
-    n = _seq_lens_sum(fb)
-    slots, row = gather_seq_slots(req_to_token, fb.req_pool_indices, fb.seq_lens, n)
-    valid = runtime.slots.slot_stage[slots.to(torch.int64)] >= stage
-    return slots, row, valid
-
-
-def _seq_lens_sum(fb) -> int:
-    bs = fb.req_pool_indices.shape[0]
-    if getattr(fb, "seq_lens_cpu", None) is not None:
-        return int(fb.seq_lens_cpu[:bs].sum())
-    if getattr(fb, "seq_lens_sum", None) is not None:
-        return int(fb.seq_lens_sum)
-    return int(fb.seq_lens[:bs].sum().item())
-
-
-def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
-    if k_scale is None and v_scale is None:
-        pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
-    else:
-        pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v, k_scale, v_scale)
-
-
-def _view_cache(ctx, key: str) -> dict:
-    cache = getattr(ctx, key, None)
-    if cache is None:
-        cache = {}
-        setattr(ctx, key, cache)
-    return cache
 
 
 # ---- per-backend state -----------------------------------------------------------------------
@@ -213,21 +94,21 @@ def _extend_wrapper(backend, stage: int):
 
 def _plan_extend_view(backend, runtime, ctx, fb, stage: int):
     """Plan (once per stage per forward) the paged prefill wrapper of `stage`."""
-    cache = _view_cache(ctx, "_uniprefill_fi_views")
+    cache = view_cache(ctx, "_uniprefill_fi_views")
     wrapper = cache.get(stage)
     if wrapper is not None:
         return wrapper
     bs = fb.req_pool_indices.shape[0]
     req_to_token = backend.req_to_token_pool.req_to_token
-    slots, row, valid = extend_stage_slots(runtime, req_to_token, fb, stage)
+    slots, row, valid = extend_view_slots(runtime, req_to_token, fb, stage)
     counts, _, indices = compact(slots, row, valid, bs)
-    kv_lens = counts.cpu()  # the one host sync of this stage: FlashInfer plans on the host
+    # Host lengths, no sync: the prefix's valid KV at this stage (counted when the forward
+    # began) plus the rows still alive, which are the last entries of the list.
+    kv_lens = torch.tensor([p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)],
+                           dtype=torch.int32)
     qo_lens = torch.tensor(ctx.lens, dtype=torch.int32)
-    if bool((kv_lens < qo_lens).any()):
-        raise RuntimeError(
-            f"UniPrefill: stage {stage} KV view shorter than its queries "
-            f"(kv {kv_lens.tolist()}, q {ctx.lens})"
-        )
+    if runtime.check_kv_lens:
+        check_kv_lens(kv_lens, counts, f"extend stage {stage}")
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
     torch.cumsum(qo_lens, 0, out=qo_indptr[1:])
@@ -305,14 +186,17 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     st = _state(backend)
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
-    views = decode_stage_views(runtime, backend.req_to_token_pool.req_to_token,
-                               fb.req_pool_indices, fb.seq_lens, _seq_lens_sum(fb), bs, stages)
-    counts = torch.stack([views[s][0] for s in stages]).cpu()  # one host sync per step
+    views = decode_stage_views(runtime.slots, backend.req_to_token_pool.req_to_token,
+                               fb.req_pool_indices, fb.seq_lens, seq_lens_sum(fb, bs), bs, stages)
+    kv_lens = decode_stage_kv_lens(ctx, fb, bs, stages)
+    if runtime.check_kv_lens:
+        for s in stages:
+            check_kv_lens(kv_lens[s], views[s][0], f"decode stage {s}")
     pos_args, kw = _decode_plan_args(backend)
     last_page_len = torch.ones(bs, dtype=torch.int32)
     meta = backend.forward_metadata
     wrappers = [meta.decode_wrappers[0]]
-    for i, s in enumerate(stages):
+    for s in stages:
         w = st.decode_wrappers.get(s)
         if w is None:
             w = BatchDecodeWithPagedKVCacheWrapper(
@@ -320,7 +204,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
                 use_tensor_cores=backend.decode_use_tensor_cores,
             )
             st.decode_wrappers[s] = w
-        w.begin_forward(_host_indptr(counts[i]), views[s][2], last_page_len, *pos_args,
+        w.begin_forward(_host_indptr(kv_lens[s]), views[s][2], last_page_len, *pos_args,
                         fixed_split_size=backend.decode_split_tile_size, **kw)
         wrappers.append(w)
     staged = DecodeMetadata(wrappers, swa_out_cache_loc=meta.swa_out_cache_loc)
@@ -406,23 +290,23 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     ctx = current()
     raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
     rpi, seq_lens = fb.req_pool_indices[:bs], fb.seq_lens[:bs]
-    n = _seq_lens_sum(fb)
+    n = seq_lens_sum(fb, bs)
     sparse = not in_capture and decode_has_sparse(ctx)
     st = _state(backend)
     if sparse:
         views = decode_stage_views(
-            runtime, backend.req_to_token_pool.req_to_token, rpi, seq_lens, n, raw_bs, stages,
-            outs=st.graph_indices, indptr_outs=st.graph_indptr,
+            runtime.slots, backend.req_to_token_pool.req_to_token, rpi, seq_lens, n, raw_bs,
+            stages, outs=st.graph_indices, indptr_outs=st.graph_indptr,
         )
-        counts = torch.stack([views[s][0] for s in stages]).cpu()  # one host sync per step
-        host_indptrs = [_host_indptr(counts[i]) for i in range(len(stages))]
+        kv_lens = decode_stage_kv_lens(ctx, fb, bs, stages)
+        if runtime.check_kv_lens:
+            for s in stages:
+                check_kv_lens(kv_lens[s], views[s][0], f"decode graph stage {s}")
+        host_indptrs = [_host_indptr(kv_lens[s]) for s in stages]
     else:
         # No request has sparse KV: every stage sees the whole sequences.
         slots, _ = gather_seq_slots(backend.req_to_token_pool.req_to_token, rpi, seq_lens, n)
-        if getattr(fb, "seq_lens_cpu", None) is not None:
-            dense_host = _host_indptr(fb.seq_lens_cpu[:bs])
-        else:
-            dense_host = _host_indptr(seq_lens.cpu())
+        dense_host = _host_indptr(host_seq_lens(fb, bs))
         for s in stages:
             st.graph_indices[s][:n].copy_(slots)
             st.graph_indptr[s][:1].zero_()

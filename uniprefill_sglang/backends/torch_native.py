@@ -8,7 +8,6 @@ original positions.
 
 from __future__ import annotations
 
-import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from uniprefill_sglang.context import current

@@ -1,7 +1,8 @@
 """Triton backend adapter: attention over per-stage KV views, without host syncs.
 
 The Triton kernels read their lengths on the device, so every view is built on the GPU from
-`req_to_token` and the per-slot stages (see backends/flashinfer.py for the invariant):
+`req_to_token` and the per-slot stages (kv_validity.py; backends/flashinfer.py states the
+invariant):
 
 * Extend (stage > 0, compacted batch or sparse prefix): the extend kernel takes the survivors'
   q/k/v directly (causal among them) and, as its "prefix", each request's valid slots at this
@@ -20,19 +21,18 @@ from typing import Dict, Optional
 
 import torch
 
-from uniprefill_sglang.backends.flashinfer import (
-    _seq_lens_sum,
-    _view_cache,
+from uniprefill_sglang.backends.common import (
     active_runtime,
-    compact,
     decode_has_sparse,
-    decode_stage_views,
     extend_needs_view,
-    extend_stage_slots,
+    extend_view_slots,
+    seq_lens_sum,
     stages_after_first,
+    view_cache,
     write_kv,
 )
 from uniprefill_sglang.context import current
+from uniprefill_sglang.kv_validity import compact, decode_stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -66,13 +66,13 @@ def _supported(backend) -> bool:
 
 # ---- extend ----------------------------------------------------------------------------------
 def _extend_view(backend, runtime, ctx, fb, stage: int):
-    cache = _view_cache(ctx, "_uniprefill_triton_views")
+    cache = view_cache(ctx, "_uniprefill_triton_views")
     view = cache.get(stage)
     if view is not None:
         return view
     bs = fb.req_pool_indices.shape[0]
     device = fb.req_pool_indices.device
-    slots, row, valid = extend_stage_slots(runtime, backend.req_to_token, fb, stage)
+    slots, row, valid = extend_view_slots(runtime, backend.req_to_token, fb, stage)
     lens = torch.tensor(ctx.lens, dtype=torch.int64, device=device)
     # The survivors are the last lens[b] valid slots of request b: keep the ones before them.
     counts = torch.zeros(bs, dtype=torch.int64, device=device)
@@ -146,8 +146,8 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
         return result
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
-    views = decode_stage_views(runtime, backend.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                               _seq_lens_sum(fb), bs, stages, dtype=torch.int64)
+    views = decode_stage_views(runtime.slots, backend.req_to_token, fb.req_pool_indices,
+                               fb.seq_lens, seq_lens_sum(fb, bs), bs, stages, dtype=torch.int64)
     out = {}
     for s in stages:
         counts, indptr, indices = views[s]
@@ -190,18 +190,15 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     if not in_capture and decode_has_sparse(ctx):
         raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
         views = decode_stage_views(
-            runtime, backend.req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
-            _seq_lens_sum(fb), raw_bs, stages,
+            runtime.slots, backend.req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
+            seq_lens_sum(fb, bs), raw_bs, stages,
             outs=st.graph_indices, indptr_outs=st.graph_indptr,
         )
         for s in stages:
             backend.get_num_kv_splits(st.graph_splits[s][:bs], views[s][0])
     else:
         # Every stage sees the whole sequences: copy upstream's dense view.
-        if getattr(fb, "seq_lens_sum", None) is not None:
-            n = int(fb.seq_lens_sum)
-        else:
-            n = int(backend.kv_indptr[bs].item())
+        n = seq_lens_sum(fb, bs)
         for s in stages:
             st.graph_indptr[s][: bs + 1].copy_(backend.kv_indptr[: bs + 1])
             st.graph_indices[s][:n].copy_(backend.cuda_graph_kv_indices[:n])

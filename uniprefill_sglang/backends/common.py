@@ -1,0 +1,100 @@
+"""What the GPU attention-backend adapters (FlashInfer, Triton) share: when a layer needs a
+per-stage view, batch sizes read without a device sync, and the KV write of the survivors.
+The views themselves are built by kv_validity.py."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from uniprefill_sglang.kv_validity import extend_stage_slots
+from uniprefill_sglang.runtime import get_runtime
+
+
+def active_runtime():
+    """The runtime when UniPrefill is on with a drop schedule, else None (hooks stay inert)."""
+    runtime = get_runtime()
+    if runtime is None or not runtime.has_schedule:
+        return None
+    return runtime
+
+
+def extend_needs_view(ctx, runtime, layer) -> bool:
+    """Does this extend layer need a per-stage view (same rule as the torch_native adapter)?"""
+    if runtime is None or ctx is None or not ctx.is_extend or ctx.sparse is None:
+        return False
+    if getattr(layer, "is_cross_attention", False):
+        return False
+    if runtime.stages.stage(layer.layer_id) == 0:
+        return False  # stage 0 holds every token; compaction only starts after the first drop
+    return ctx.compacted or any(ctx.sparse)
+
+
+def decode_has_sparse(ctx) -> bool:
+    return ctx is not None and not ctx.is_extend and bool(ctx.sparse) and any(ctx.sparse)
+
+
+def stages_after_first(runtime) -> List[int]:
+    return list(range(1, runtime.stages.num_drops + 1))
+
+
+def seq_lens_sum(fb, bs: int) -> int:
+    """Tokens of the first `bs` sequences, from host copies when the batch has them."""
+    if getattr(fb, "seq_lens_cpu", None) is not None:
+        return int(fb.seq_lens_cpu[:bs].sum())
+    if getattr(fb, "seq_lens_sum", None) is not None and bs == fb.batch_size:
+        return int(fb.seq_lens_sum)
+    return int(fb.seq_lens[:bs].sum().item())
+
+
+def host_seq_lens(fb, bs: int) -> torch.Tensor:
+    if getattr(fb, "seq_lens_cpu", None) is not None:
+        return fb.seq_lens_cpu[:bs].to(torch.int32)
+    return fb.seq_lens[:bs].to(torch.int32).cpu()  # a sync; SGLang's decode batches carry the host copy
+
+
+def decode_stage_kv_lens(ctx, fb, bs: int, stages) -> Dict[int, torch.Tensor]:
+    """Per stage, the host KV length of each decode row: its sequence length minus the KV its
+    request lacks at that stage (`ctx.kv_gaps`, from the host mirror). Rows past the batch's
+    requests (CUDA-graph padding) keep their whole sequence."""
+    seq = host_seq_lens(fb, bs)
+    gaps = torch.zeros(len(stages), bs, dtype=torch.int32)
+    if ctx.kv_gaps:
+        n = min(bs, len(ctx.kv_gaps))
+        gaps[:, :n] = torch.tensor(ctx.kv_gaps[:n], dtype=torch.int32).T[[s - 1 for s in stages]]
+    return {s: seq - gaps[i] for i, s in enumerate(stages)}
+
+
+def check_kv_lens(host: torch.Tensor, device_counts: torch.Tensor, what: str) -> None:
+    """Debug (UNIPREFILL_CHECK_KV_LENS=1, one sync): the host lengths a plan uses must equal
+    the KV the view really holds."""
+    got = device_counts.cpu().to(torch.int32)
+    if not torch.equal(host.to(torch.int32), got):
+        raise RuntimeError(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
+                           f"device {got.tolist()}")
+
+
+def extend_view_slots(runtime, req_to_token, fb, stage: int):
+    """Extend at `stage`: every slot of each request's sequence with its validity at `stage`."""
+    bs = fb.req_pool_indices.shape[0]
+    return extend_stage_slots(runtime.slots, req_to_token, fb.req_pool_indices, fb.seq_lens,
+                              seq_lens_sum(fb, bs), stage)
+
+
+def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    if k_scale is None and v_scale is None:
+        pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+    else:
+        pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v, k_scale, v_scale)
+
+
+def view_cache(ctx, key: str) -> dict:
+    """A per-forward cache on the drop context (views planned once, run by every layer)."""
+    cache = getattr(ctx, key, None)
+    if cache is None:
+        cache = {}
+        setattr(ctx, key, cache)
+    return cache
