@@ -34,7 +34,8 @@ def cuda_device_count() -> int:
 def engine_env(tmp: Path) -> dict:
     """Environment of the engine subprocesses: the repo importable and, if the package is not
     installed where this interpreter looks (its `sglang.srt.plugins` entry point missing), a
-    stand-in dist-info declaring it, so SGLang's plugin loader finds it in every process."""
+    stand-in dist-info declaring it, so SGLang's plugin loader finds it in every process.
+    UNIPREFILL_CHECK_KV_LENS is on unless the caller's environment says otherwise."""
     from importlib.metadata import entry_points
 
     paths = [str(REPO_ROOT)]
@@ -48,7 +49,9 @@ def engine_env(tmp: Path) -> dict:
         paths.insert(0, str(dist.parent))
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
-    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(paths))
+    # Every engine checks the host-side per-stage KV lengths against the device at each use.
+    env = {"UNIPREFILL_CHECK_KV_LENS": "1", **os.environ}
+    return dict(env, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(paths))
 
 
 def log_dir_or(tmp: Path) -> Path:
