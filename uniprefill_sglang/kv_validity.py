@@ -18,7 +18,7 @@ the bottom build per-stage views on the device, shared by the attention-backend 
 from __future__ import annotations
 
 import bisect
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,25 +41,25 @@ class LayerStages:
 
 
 class SlotStages:
-    """Per-slot survival stage beside the token-to-KV pool, plus per-request sparsity flags."""
+    """Per-slot survival stage beside the token-to-KV pool."""
 
-    def __init__(self, num_slots: int, max_reqs: int, num_drops: int, device):
+    def __init__(self, num_slots: int, num_drops: int, device):
         if num_drops > 126:
             raise ValueError("at most 126 drop layers fit the int8 stage map")
         self.full = num_drops
         self.slot_stage = torch.full((num_slots,), num_drops, dtype=torch.int8, device=device)
-        # True where the request in that req-pool row has KV missing in some layer (it dropped
-        # tokens, or reuses a prefix that did). Decode reads it to choose the sparse path.
-        self.req_sparse = torch.zeros((max_reqs,), dtype=torch.bool, device=device)
+        self.stages_after_first = torch.arange(1, num_drops + 1, dtype=torch.int8, device=device)
 
     def mark_written(self, slots: torch.Tensor) -> None:
         """Slots a forward is about to write hold full KV until a drop says otherwise."""
+        # index_fill_ takes the value as a scalar argument: `t[idx] = value` would copy a CPU
+        # scalar tensor to the GPU, which synchronises (a stall in every decode step).
         if slots is not None and slots.numel():
-            self.slot_stage[slots] = self.full
+            self.slot_stage.index_fill_(0, slots.to(torch.int64), self.full)
 
     def mark_dropped(self, slots: torch.Tensor, stage: int) -> None:
         if slots.numel():
-            self.slot_stage[slots] = stage
+            self.slot_stage.index_fill_(0, slots.to(torch.int64), stage)
 
     def valid_mask(self, slots: torch.Tensor, stage: int) -> torch.Tensor:
         return self.slot_stage[slots] >= stage
@@ -113,72 +113,84 @@ def segment_ids(lens: torch.Tensor, n: int) -> torch.Tensor:
     )
 
 
+class SeqSlots(NamedTuple):
+    """The slots of several requests' sequences, concatenated."""
+    slots: torch.Tensor   # [n]
+    row: torch.Tensor     # [n] the request (segment) of each slot
+    bounds: torch.Tensor  # [bs + 1] int64: segment b is slots[bounds[b]:bounds[b + 1]]
+
+
 def gather_seq_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, n: int):
-    """The slots of positions [0, seq_len) of each request, concatenated; and their segment ids."""
-    lens = seq_lens[: req_pool_indices.shape[0]].to(torch.int64)
+                     seq_lens: torch.Tensor, n: int) -> SeqSlots:
+    """The slots of positions [0, seq_len) of each request (n = the lengths' sum, host-known)."""
+    bs = req_pool_indices.shape[0]
+    lens = seq_lens[:bs].to(torch.int64)
     row = segment_ids(lens, n)
-    start = torch.cumsum(lens, 0) - lens
-    col = torch.arange(n, device=lens.device) - start[row]
+    bounds = torch.zeros(bs + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, 0, out=bounds[1:])
+    col = torch.arange(n, device=lens.device) - bounds[row]
     slots = req_to_token[req_pool_indices.to(torch.int64)[row], col]
-    return slots, row
+    return SeqSlots(slots, row, bounds)
 
 
-def compact(slots: torch.Tensor, row: torch.Tensor, keep: torch.Tensor, bs: int,
+def compact(slots: torch.Tensor, bounds: torch.Tensor, keep: torch.Tensor,
             out: Optional[torch.Tensor] = None, indptr_out: Optional[torch.Tensor] = None,
             dtype: Optional[torch.dtype] = None):
-    """Keep `slots[keep]`, segment by segment, without a host sync.
+    """Keep `slots[keep]`, segment by segment, without a host sync and without atomics.
 
-    Returns (counts[bs] int32, indptr[bs + 1] int32, indices). Kept entries land at their
-    compacted position; the others are scattered to the buffer's last element (a dump slot),
-    so `out` needs at least n + 1 elements.
+    `keep` is [n] (one view) or [V, n] (V views of the same slots, e.g. one per stage).
+    Returns (counts [V, bs] int32, indptr [V, bs + 1] int32, indices [V, >= n + 1]), without
+    the V dimension for a 1-D `keep`. Kept entries land at their compacted position; the others
+    are scattered to the last element of their row (a dump slot), so `out` needs n + 1 columns.
     """
+    one_view = keep.dim() == 1
+    keep = keep.view(1, -1) if one_view else keep
+    views, n = keep.shape
+    bs = bounds.numel() - 1
     device = slots.device
-    n = slots.shape[0]
-    counts = torch.zeros(bs, dtype=torch.int32, device=device)
-    if n:
-        counts.index_add_(0, row, keep.to(torch.int32))
-    indptr = indptr_out if indptr_out is not None else torch.empty(
-        bs + 1, dtype=torch.int32, device=device)
-    indptr = indptr[: bs + 1]
-    indptr[:1].zero_()
-    torch.cumsum(counts, 0, out=indptr[1:])
+    # kept_before[:, i]: kept entries among the first i; the segment bounds pick the indptr.
+    kept_before = torch.zeros(views, n + 1, dtype=torch.int32, device=device)
+    torch.cumsum(keep, 1, dtype=torch.int32, out=kept_before[:, 1:])
+    indptr = kept_before.index_select(1, bounds)
+    if indptr_out is not None:
+        indptr_out = indptr_out.view(views, -1)[:, : bs + 1]
+        indptr_out.copy_(indptr)
+        indptr = indptr_out
+    counts = indptr[:, 1:] - indptr[:, :-1]
     if out is None:
-        out = torch.empty(n + 1, dtype=dtype or slots.dtype, device=device)
-    elif out.numel() < n + 1:
-        raise RuntimeError(f"UniPrefill: KV index buffer of {out.numel()} entries is too small "
+        out = torch.empty(views, n + 1, dtype=dtype or slots.dtype, device=device)
+    out = out.view(views, -1)
+    if out.shape[1] < n + 1:
+        raise RuntimeError(f"UniPrefill: KV index buffer of {out.shape[1]} entries is too small "
                            f"for {n} candidate slots")
     if n:
-        pos = torch.cumsum(keep, 0) - 1
-        dest = torch.where(keep, pos, out.numel() - 1)
-        out.scatter_(0, dest, slots.to(out.dtype))
+        dest = torch.where(keep, kept_before[:, :n].to(torch.int64), out.shape[1] - 1)
+        out.scatter_(1, dest, slots.to(out.dtype).expand(views, n))
+    if one_view:
+        return counts[0], indptr[0], out[0]
     return counts, indptr, out
 
 
 def decode_stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
-                       n: int, raw_bs: int, stages, outs=None, indptr_outs=None, dtype=None):
-    """Per stage: the KV list of each decode request. Requests without sparse KV, and the
-    padding rows of a CUDA-graph batch (index >= raw_bs), keep their whole sequence."""
+                       n: int, raw_bs: int, outs=None, indptr_outs=None, dtype=None):
+    """The KV list of each decode request at every stage after the first, in one pass:
+    (counts [D, bs], indptr [D, bs + 1], indices [D, >= n + 1]), row k for stage k + 1
+    (`outs` / `indptr_outs`: static [D, ...] buffers to fill).
+
+    A request without dropped KV has every slot at FULL, so it keeps its whole sequence by the
+    same rule; the padding rows of a CUDA-graph batch (index >= raw_bs) point at arbitrary
+    slots and are kept whole explicitly."""
     bs = req_pool_indices.shape[0]
-    slots, row = gather_seq_slots(req_to_token, req_pool_indices, seq_lens, n)
-    full = ~slot_stages.req_sparse[req_pool_indices.to(torch.int64)]
+    seq = gather_seq_slots(req_to_token, req_pool_indices, seq_lens, n)
+    st = slot_stages.slot_stage[seq.slots.to(torch.int64)]
+    keep = st.unsqueeze(0) >= slot_stages.stages_after_first.unsqueeze(1)
     if raw_bs < bs:
-        full[raw_bs:] = True
-    full_el = full[row]
-    st = slot_stages.slot_stage[slots.to(torch.int64)]
-    views = {}
-    for s in stages:
-        keep = (st >= s) | full_el
-        views[s] = compact(slots, row, keep, bs,
-                           out=None if outs is None else outs[s],
-                           indptr_out=None if indptr_outs is None else indptr_outs[s],
-                           dtype=dtype)
-    return views
+        keep |= (seq.row >= raw_bs).unsqueeze(0)
+    return compact(seq.slots, seq.bounds, keep, out=outs, indptr_out=indptr_outs, dtype=dtype)
 
 
 def extend_stage_slots(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
                        n: int, stage: int):
-    """Extend at `stage`: every slot of each request's sequence with its validity at `stage`."""
-    slots, row = gather_seq_slots(req_to_token, req_pool_indices, seq_lens, n)
-    valid = slot_stages.slot_stage[slots.to(torch.int64)] >= stage
-    return slots, row, valid
+    """Extend at `stage`: every slot of each request's sequence (SeqSlots), and its validity."""
+    seq = gather_seq_slots(req_to_token, req_pool_indices, seq_lens, n)
+    return seq, slot_stages.slot_stage[seq.slots.to(torch.int64)] >= stage

@@ -51,8 +51,7 @@ class UniPrefillRuntime:
         # Debug: check the host-side KV lengths against the device at every use (one sync each).
         self.check_kv_lens = os.environ.get("UNIPREFILL_CHECK_KV_LENS", "0") == "1"
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
-        self.slots = SlotStages(num_slots, req_to_token_pool.req_to_token.shape[0],
-                                stages.num_drops, device)
+        self.slots = SlotStages(num_slots, stages.num_drops, device)
         # Host mirror of the KV each request lacks per stage: decode steps read their sparsity
         # and per-stage KV lengths from it without a device sync.
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
@@ -98,7 +97,6 @@ class UniPrefillRuntime:
 
     def end_forward(self, ctx: DropContext) -> None:
         set_current(None)
-        fb = ctx.forward_batch
         for slots in ctx.ghost_slots:  # computed past the first drop on a partial view
             self.slots.mark_dropped(slots, 0)
         for rid in ctx.finished_parking:
@@ -106,8 +104,6 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.plan is not None and len(ctx.kept) > 1:
             self._count_kept(ctx)
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
-            flags = torch.tensor(ctx.sparse, dtype=torch.bool, device=fb.req_pool_indices.device)
-            self.slots.req_sparse[fb.req_pool_indices] = flags
             self._record_gaps(ctx)
 
     def _record_gaps(self, ctx: DropContext) -> None:
@@ -129,9 +125,9 @@ class UniPrefillRuntime:
         """Debug: the host gaps of a decode batch equal what the device's slot stages say."""
         bs = len(gaps)
         seq_lens = fb.seq_lens_cpu[:bs].tolist()
-        slots, row = gather_seq_slots(self.req_to_token_pool.req_to_token,
-                                      fb.req_pool_indices[:bs], fb.seq_lens[:bs], sum(seq_lens))
-        valid = self.slots.valid_counts(slots, row, bs)[:, 1:].tolist()
+        seq = gather_seq_slots(self.req_to_token_pool.req_to_token, fb.req_pool_indices[:bs],
+                               fb.seq_lens[:bs], sum(seq_lens))
+        valid = self.slots.valid_counts(seq.slots, seq.row, bs)[:, 1:].tolist()
         device_gaps = [tuple(n - v for v in vs) for n, vs in zip(seq_lens, valid)]
         if device_gaps != [tuple(g) for g in gaps]:
             raise RuntimeError(f"UniPrefill: decode KV gaps on the host {gaps} != device "
@@ -163,11 +159,12 @@ class UniPrefillRuntime:
             return valid
         device = fb.req_pool_indices.device
         lens = [prefix_lens[b] for b in with_prefix]
-        slots, row = gather_seq_slots(
+        seq = gather_seq_slots(
             self.req_to_token_pool.req_to_token,
             fb.req_pool_indices[torch.tensor(with_prefix, device=device)],
             torch.tensor(lens, device=device), sum(lens))
-        for b, counts in zip(with_prefix, self.slots.valid_counts(slots, row, len(lens)).tolist()):
+        valid_counts = self.slots.valid_counts(seq.slots, seq.row, len(lens)).tolist()
+        for b, counts in zip(with_prefix, valid_counts):
             valid[b] = counts
         return valid
 
@@ -214,9 +211,9 @@ class UniPrefillRuntime:
         bs = len(ctx.lens)
         seq_lens = [p + n for p, n in zip(fb.extend_prefix_lens_cpu or [0] * bs,
                                           fb.extend_seq_lens_cpu)]
-        slots, row = gather_seq_slots(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                                      fb.seq_lens, sum(seq_lens))
-        device = self.slots.valid_counts(slots, row, bs)[:, stage].tolist()
+        seq = gather_seq_slots(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
+                               fb.seq_lens, sum(seq_lens))
+        device = self.slots.valid_counts(seq.slots, seq.row, bs)[:, stage].tolist()
         host = [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)]
         if device != host:
             raise RuntimeError(f"UniPrefill: stage {stage} KV lengths on the host {host} != "
@@ -308,7 +305,7 @@ class UniPrefillRuntime:
         # Row sources: keep_mask over current rows + joining parked rows.
         keep_mask = torch.ones(total + n_extra, dtype=torch.bool, device=device)
         if n_extra:
-            keep_mask[total:] = False
+            keep_mask[total:].fill_(False)
         all_pos = torch.cat([ctx.positions.to(torch.int64)] + extra_pos)
         all_slots = torch.cat([ctx.out_cache_loc.to(torch.int64)] + extra_slots)
         if scored:
@@ -334,8 +331,8 @@ class UniPrefillRuntime:
             )
             if self.check_tp:
                 self.tp_agreement.verify(keep_idx, new_counts)
-            keep_mask[cand_src_t] = False
-            keep_mask[cand_src_t[keep_idx]] = True
+            keep_mask.index_fill_(0, cand_src_t, False)
+            keep_mask.index_fill_(0, cand_src_t[keep_idx], True)
             # Dropped rows keep KV for the layers up to this one only; parked rows that
             # survive get full KV written by the rest of this forward.
             dropped_current = ~keep_mask[:total]
@@ -354,7 +351,7 @@ class UniPrefillRuntime:
             # the forward still yields the logits SGLang expects (they are discarded).
             ctx.to_park.append((decisions[b].rid, seg))
             ctx.parked_now.append(b)
-            keep_mask[seg[:-1]] = False
+            keep_mask.index_fill_(0, seg[:-1], False)
             self.slots.mark_dropped(ctx.out_cache_loc[seg[:-1]], stage)
             ctx.ghost_slots.append(ctx.out_cache_loc[seg[-1:]])
             self.parked[decisions[b].rid].add_queries(q[seg[-cfg.last_queries:]],

@@ -4,7 +4,7 @@ The views themselves are built by kv_validity.py."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import torch
 
@@ -54,16 +54,16 @@ def host_seq_lens(fb, bs: int) -> torch.Tensor:
     return fb.seq_lens[:bs].to(torch.int32).cpu()  # a sync; SGLang's decode batches carry the host copy
 
 
-def decode_stage_kv_lens(ctx, fb, bs: int, stages) -> Dict[int, torch.Tensor]:
-    """Per stage, the host KV length of each decode row: its sequence length minus the KV its
-    request lacks at that stage (`ctx.kv_gaps`, from the host mirror). Rows past the batch's
-    requests (CUDA-graph padding) keep their whole sequence."""
+def decode_stage_kv_lens(ctx, fb, bs: int, num_stages: int) -> torch.Tensor:
+    """[D, bs] on the host: row k holds each decode row's KV length at stage k + 1, its sequence
+    length minus the KV its request lacks there (`ctx.kv_gaps`, from the host mirror). Rows past
+    the batch's requests (CUDA-graph padding) keep their whole sequence."""
     seq = host_seq_lens(fb, bs)
-    gaps = torch.zeros(len(stages), bs, dtype=torch.int32)
+    gaps = torch.zeros(bs, num_stages, dtype=torch.int32)
     if ctx.kv_gaps:
         n = min(bs, len(ctx.kv_gaps))
-        gaps[:, :n] = torch.tensor(ctx.kv_gaps[:n], dtype=torch.int32).T[[s - 1 for s in stages]]
-    return {s: seq - gaps[i] for i, s in enumerate(stages)}
+        gaps[:n] = torch.tensor(ctx.kv_gaps[:n], dtype=torch.int32)
+    return seq.unsqueeze(0) - gaps.T
 
 
 def check_kv_lens(host: torch.Tensor, device_counts: torch.Tensor, what: str) -> None:

@@ -55,8 +55,9 @@ class _State:
         self.extend_wrappers: Dict[int, object] = {}
         self.decode_wrappers: Dict[int, object] = {}
         # Decode CUDA graphs: per-stage static buffers and shared int workspaces.
-        self.graph_indptr: Optional[Dict[int, torch.Tensor]] = None
-        self.graph_indices: Optional[Dict[int, torch.Tensor]] = None
+        # Decode CUDA graphs: row k is stage k + 1 ([D, max_bs + 1] and [D, max_kv_tokens]).
+        self.graph_indptr: Optional[torch.Tensor] = None
+        self.graph_indices: Optional[torch.Tensor] = None
         self.graph_int_ws: Dict[int, tuple] = {}
 
 
@@ -100,8 +101,8 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int):
         return wrapper
     bs = fb.req_pool_indices.shape[0]
     req_to_token = backend.req_to_token_pool.req_to_token
-    slots, row, valid = extend_view_slots(runtime, req_to_token, fb, stage)
-    counts, _, indices = compact(slots, row, valid, bs)
+    seq, valid = extend_view_slots(runtime, req_to_token, fb, stage)
+    counts, _, indices = compact(seq.slots, seq.bounds, valid)
     # Host lengths, no sync: the prefix's valid KV at this stage (counted when the forward
     # began) plus the rows still alive, which are the last entries of the list.
     kv_lens = torch.tensor([p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)],
@@ -186,12 +187,12 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     st = _state(backend)
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
-    views = decode_stage_views(runtime.slots, backend.req_to_token_pool.req_to_token,
-                               fb.req_pool_indices, fb.seq_lens, seq_lens_sum(fb, bs), bs, stages)
-    kv_lens = decode_stage_kv_lens(ctx, fb, bs, stages)
+    counts, _, indices = decode_stage_views(
+        runtime.slots, backend.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+        seq_lens_sum(fb, bs), bs)
+    kv_lens = decode_stage_kv_lens(ctx, fb, bs, len(stages))
     if runtime.check_kv_lens:
-        for s in stages:
-            check_kv_lens(kv_lens[s], views[s][0], f"decode stage {s}")
+        check_kv_lens(kv_lens, counts, "decode")
     pos_args, kw = _decode_plan_args(backend)
     last_page_len = torch.ones(bs, dtype=torch.int32)
     meta = backend.forward_metadata
@@ -204,7 +205,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
                 use_tensor_cores=backend.decode_use_tensor_cores,
             )
             st.decode_wrappers[s] = w
-        w.begin_forward(_host_indptr(kv_lens[s]), views[s][2], last_page_len, *pos_args,
+        w.begin_forward(_host_indptr(kv_lens[s - 1]), indices[s - 1], last_page_len, *pos_args,
                         fixed_split_size=backend.decode_split_tile_size, **kw)
         wrappers.append(w)
     staged = DecodeMetadata(wrappers, swa_out_cache_loc=meta.swa_out_cache_loc)
@@ -230,8 +231,9 @@ def init_cuda_graph_state(result, backend, *args, **kwargs):
         return result
     st = _state(backend)
     base_indices = backend.cuda_graph_kv_indices[0]
-    st.graph_indptr = {s: torch.zeros_like(backend.kv_indptr[0]) for s in stages_after_first(runtime)}
-    st.graph_indices = {s: torch.zeros_like(base_indices) for s in stages_after_first(runtime)}
+    num_stages = runtime.stages.num_drops
+    st.graph_indptr = backend.kv_indptr[0].new_zeros((num_stages, backend.kv_indptr[0].numel()))
+    st.graph_indices = base_indices.new_zeros((num_stages, base_indices.numel()))
     return result
 
 
@@ -255,8 +257,8 @@ def create_decode_wrappers(result, backend, *args, **kwargs):
             backend=backend.decode_backend,
             use_cuda_graph=True,
             use_tensor_cores=backend.decode_use_tensor_cores,
-            paged_kv_indptr_buffer=st.graph_indptr[s][: num_tokens + 1],
-            paged_kv_indices_buffer=st.graph_indices[s],
+            paged_kv_indptr_buffer=st.graph_indptr[s - 1][: num_tokens + 1],
+            paged_kv_indices_buffer=st.graph_indices[s - 1],
             paged_kv_last_page_len_buffer=backend.kv_last_page_len[:num_tokens],
         )
         # One graph replays at a time and is re-planned right before: the int workspaces of a
@@ -294,40 +296,36 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     sparse = not in_capture and decode_has_sparse(ctx)
     st = _state(backend)
     if sparse:
-        views = decode_stage_views(
+        counts, _, _ = decode_stage_views(
             runtime.slots, backend.req_to_token_pool.req_to_token, rpi, seq_lens, n, raw_bs,
-            stages, outs=st.graph_indices, indptr_outs=st.graph_indptr,
+            outs=st.graph_indices, indptr_outs=st.graph_indptr,
         )
-        kv_lens = decode_stage_kv_lens(ctx, fb, bs, stages)
+        kv_lens = decode_stage_kv_lens(ctx, fb, bs, len(stages))
         if runtime.check_kv_lens:
-            for s in stages:
-                check_kv_lens(kv_lens[s], views[s][0], f"decode graph stage {s}")
-        host_indptrs = [_host_indptr(kv_lens[s]) for s in stages]
+            check_kv_lens(kv_lens, counts, "decode graph")
+        host_indptrs = [_host_indptr(lens) for lens in kv_lens]
     else:
         # No request has sparse KV: every stage sees the whole sequences.
-        slots, _ = gather_seq_slots(backend.req_to_token_pool.req_to_token, rpi, seq_lens, n)
-        dense_host = _host_indptr(host_seq_lens(fb, bs))
-        for s in stages:
-            st.graph_indices[s][:n].copy_(slots)
-            st.graph_indptr[s][:1].zero_()
-            torch.cumsum(seq_lens.to(torch.int32), 0, out=st.graph_indptr[s][1 : bs + 1])
-        host_indptrs = [dense_host] * len(stages)
+        seq = gather_seq_slots(backend.req_to_token_pool.req_to_token, rpi, seq_lens, n)
+        st.graph_indices[:, :n].copy_(seq.slots.unsqueeze(0).expand(len(stages), n))
+        st.graph_indptr[:, : bs + 1].copy_(seq.bounds.unsqueeze(0).expand(len(stages), bs + 1))
+        host_indptrs = [_host_indptr(host_seq_lens(fb, bs))] * len(stages)
     pos_args, kw = _decode_plan_args(backend)
     last_page_len = backend.kv_last_page_len[:bs]
     for i, (s, w) in enumerate(zip(stages, wrappers[1:])):
-        indptr = st.graph_indptr[s][: bs + 1]
+        indptr = st.graph_indptr[s - 1][: bs + 1]
         total = int(host_indptrs[i][-1])
         if in_capture:
             # The first plan must be the real one (fast_decode_plan needs its cached module);
             # upstream has already swapped begin_forward for fast_decode_plan on the instance.
             BatchDecodeWithPagedKVCacheWrapper.plan(
-                w, indptr, st.graph_indices[s][:total], last_page_len, *pos_args,
+                w, indptr, st.graph_indices[s - 1][:total], last_page_len, *pos_args,
                 fixed_split_size=None, disable_split_kv=backend.disable_cuda_graph_kv_split,
                 **kw,
             )
         else:
             w.begin_forward(
-                indptr, st.graph_indices[s], last_page_len, *pos_args,
+                indptr, st.graph_indices[s - 1], last_page_len, *pos_args,
                 fixed_split_size=None, disable_split_kv=backend.disable_cuda_graph_kv_split,
                 global_override_indptr_cpu=host_indptrs[i], **kw,
             )

@@ -17,7 +17,7 @@ invariant):
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -38,9 +38,10 @@ from uniprefill_sglang.runtime import get_runtime
 
 class _State:
     def __init__(self):
-        self.graph_indptr: Optional[Dict[int, torch.Tensor]] = None
-        self.graph_indices: Optional[Dict[int, torch.Tensor]] = None
-        self.graph_splits: Optional[Dict[int, torch.Tensor]] = None
+        # Decode CUDA graphs: row k is stage k + 1.
+        self.graph_indptr: Optional[torch.Tensor] = None
+        self.graph_indices: Optional[torch.Tensor] = None
+        self.graph_splits: Optional[torch.Tensor] = None
 
 
 def _state(backend) -> _State:
@@ -72,16 +73,16 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
         return view
     bs = fb.req_pool_indices.shape[0]
     device = fb.req_pool_indices.device
-    slots, row, valid = extend_view_slots(runtime, backend.req_to_token, fb, stage)
+    seq, valid = extend_view_slots(runtime, backend.req_to_token, fb, stage)
     lens = torch.tensor(ctx.lens, dtype=torch.int64, device=device)
     # The survivors are the last lens[b] valid slots of request b: keep the ones before them.
-    counts = torch.zeros(bs, dtype=torch.int64, device=device)
-    if slots.numel():
-        counts.index_add_(0, row, valid.to(torch.int64))
-    start = torch.cumsum(counts, 0) - counts
-    rank = torch.cumsum(valid, 0) - 1 - start[row]
-    keep = valid & (rank < (counts - lens)[row])
-    _, kv_indptr, kv_indices = compact(slots, row, keep, bs, dtype=torch.int64)
+    valid_before = torch.zeros(valid.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(valid, 0, out=valid_before[1:])
+    at_bounds = valid_before[seq.bounds]
+    counts = at_bounds[1:] - at_bounds[:-1]
+    rank = valid_before[:-1] - at_bounds[:-1][seq.row]
+    keep = valid & (rank < (counts - lens)[seq.row])
+    _, kv_indptr, kv_indices = compact(seq.slots, seq.bounds, keep, dtype=torch.int64)
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
     torch.cumsum(lens, 0, out=qo_indptr[1:])
     view = (kv_indptr, kv_indices, qo_indptr, max(ctx.lens))
@@ -146,14 +147,14 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
         return result
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
-    views = decode_stage_views(runtime.slots, backend.req_to_token, fb.req_pool_indices,
-                               fb.seq_lens, seq_lens_sum(fb, bs), bs, stages, dtype=torch.int64)
+    counts, indptr, indices = decode_stage_views(
+        runtime.slots, backend.req_to_token, fb.req_pool_indices, fb.seq_lens,
+        seq_lens_sum(fb, bs), bs, dtype=torch.int64)
     out = {}
     for s in stages:
-        counts, indptr, indices = views[s]
         splits = torch.empty(bs, dtype=torch.int32, device=counts.device)
-        backend.get_num_kv_splits(splits, counts)
-        out[s] = (indptr, indices, splits)
+        backend.get_num_kv_splits(splits, counts[s - 1])
+        out[s] = (indptr[s - 1], indices[s - 1], splits)
     backend.forward_metadata.uniprefill_stages = out
     return result
 
@@ -166,10 +167,11 @@ def init_cuda_graph_state(result, backend, *args, **kwargs):
         return result
     st = _state(backend)
     stages = stages_after_first(runtime)
-    st.graph_indptr = {s: torch.zeros_like(backend.kv_indptr) for s in stages}
-    st.graph_indices = {s: torch.zeros_like(backend.cuda_graph_kv_indices) for s in stages}
-    st.graph_splits = {s: torch.full_like(backend.cuda_graph_num_kv_splits, backend.max_kv_splits)
-                       for s in stages}
+    st.graph_indptr = backend.kv_indptr.new_zeros((len(stages), backend.kv_indptr.numel()))
+    st.graph_indices = backend.cuda_graph_kv_indices.new_zeros(
+        (len(stages), backend.cuda_graph_kv_indices.numel()))
+    st.graph_splits = backend.cuda_graph_num_kv_splits.new_full(
+        (len(stages), backend.cuda_graph_num_kv_splits.numel()), backend.max_kv_splits)
     return result
 
 
@@ -189,23 +191,21 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     ctx = current()
     if not in_capture and decode_has_sparse(ctx):
         raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
-        views = decode_stage_views(
+        counts, _, _ = decode_stage_views(
             runtime.slots, backend.req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
-            seq_lens_sum(fb, bs), raw_bs, stages,
-            outs=st.graph_indices, indptr_outs=st.graph_indptr,
+            seq_lens_sum(fb, bs), raw_bs, outs=st.graph_indices, indptr_outs=st.graph_indptr,
         )
         for s in stages:
-            backend.get_num_kv_splits(st.graph_splits[s][:bs], views[s][0])
+            backend.get_num_kv_splits(st.graph_splits[s - 1][:bs], counts[s - 1])
     else:
         # Every stage sees the whole sequences: copy upstream's dense view.
         n = seq_lens_sum(fb, bs)
-        for s in stages:
-            st.graph_indptr[s][: bs + 1].copy_(backend.kv_indptr[: bs + 1])
-            st.graph_indices[s][:n].copy_(backend.cuda_graph_kv_indices[:n])
-            st.graph_splits[s][:bs].copy_(backend.cuda_graph_num_kv_splits[:bs])
+        st.graph_indptr[:, : bs + 1].copy_(backend.kv_indptr[: bs + 1].expand(len(stages), -1))
+        st.graph_indices[:, :n].copy_(backend.cuda_graph_kv_indices[:n].expand(len(stages), -1))
+        st.graph_splits[:, :bs].copy_(backend.cuda_graph_num_kv_splits[:bs].expand(len(stages), -1))
     if in_capture:
         backend.forward_metadata.uniprefill_stages = {
-            s: (st.graph_indptr[s][: bs + 1], st.graph_indices[s], st.graph_splits[s])
+            s: (st.graph_indptr[s - 1][: bs + 1], st.graph_indices[s - 1], st.graph_splits[s - 1])
             for s in stages
         }
     return result
