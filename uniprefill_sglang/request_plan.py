@@ -43,7 +43,7 @@ class RequestDecision:
     enabled: bool
     top_p: float
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: use top-p
-    reason: Optional[str] = None  # why the request runs dense this step
+    reason: Optional[str] = None  # why the request runs dense (or drops less) this step
     # A non-final chunk whose rows stop at the first drop layer and wait there for the final
     # chunk (runtime.py decides whether the parked state fits).
     park: bool = False

@@ -254,6 +254,13 @@ class UniPrefillRuntime:
             if first_drop and d.park and n > 0 and self._may_park(d, plen):
                 park_rows.append((b, seg))
                 continue
+            if first_drop and d.rid in self.refused_parking:
+                if d.park:
+                    d.reason = "non-final chunk of a prompt over the parking budget: runs dense"
+                elif d.enabled:  # its final chunk: nothing to remember after it
+                    self.refused_parking.discard(d.rid)
+                    d.reason = ("prompt over --uniprefill-max-parked-tokens: drops among its "
+                                "final chunk's tokens only")
             if not d.enabled:
                 continue
             parked = self.parked.get(d.rid) if first_drop else None
@@ -277,7 +284,8 @@ class UniPrefillRuntime:
                 pq = pqpos = None
                 pslots_c = ppos_c = empty
             if parked is None and n < cfg.min_tokens_to_drop:
-                d.reason = "too few new tokens to score"
+                d.reason = ("too few new tokens to score" if d.reason is None
+                            else f"{d.reason}; too few of them to score")
                 continue
             nq = min(cfg.last_queries, pc + n)
             own_q = q[s:s + n]
