@@ -1,0 +1,236 @@
+"""Where a step's time goes: a dense and a UniPrefill request of one length, one engine.
+
+Runs a dense request (UniPrefill switched off per request) and a UniPrefill request of the same
+length in one engine (bench_prefill's Runner), records steps of each with SGLang's torch
+profiler (CPU + GPU activities, Python stacks) and summarises each trace:
+
+* `--phase decode` (default): the decode ITL of both requests, then N decode steps of each;
+  wall time per step (between CUDA-graph launches) against GPU kernel time per step (a step
+  whose wall time exceeds its kernel time waits on the host);
+* `--phase prefill`: the prefill step of both (SGLang's default chunking unless
+  `--chunked-prefill-size -1`), with the time between its first kernel and its last, kernel time
+  by kind (attention, GEMM, UniPrefill scoring / selection, other) and the GPU idle time;
+* both: synchronising CUDA runtime calls with the Python frames that made them (a sync in step
+  preparation stops the overlap scheduler from preparing the next step while this one runs; in
+  a prefill it idles the GPU until the host launches again), and host time spent in
+  `uniprefill_sglang` functions.
+
+    python benchmarks/profile_steps.py --model-path benchmarks/models/llama-3.1-8b \\
+        --length 32768 --out-dir /tmp/decode_profile
+    python benchmarks/profile_steps.py --model-path benchmarks/models/llama-3.1-8b \\
+        --phase prefill --length 8192 --chunked-prefill-size -1 --out-dir /tmp/prefill_profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_prefill import Runner, engine_kwargs_for  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy")  # cudaMemcpy (not ...Async) blocks the host too
+STEP_MARK = "cudaGraphLaunch"  # one per decode step (decode CUDA graphs)
+KERNEL_KINDS = (  # first match wins
+    ("uniprefill", ("_score_", "_select_kernel")),
+    ("attention", ("flashinfer::Batch", "PrefillWith", "DecodeWith", "MergeStates", "fmha",
+                   "flash_fwd", "_fwd_kernel")),
+    ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "splitKreduce", "cublas")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    for kind, needles in KERNEL_KINDS:
+        if any(n in name for n in needles):
+            return kind
+    return "other"
+
+
+def _profile_req(out_dir: Path, steps: int):
+    from sglang.srt.managers.io_struct import ProfileReq
+
+    return ProfileReq(output_dir=str(out_dir), activities=["CPU", "GPU"], with_stack=True,
+                      record_shapes=False, num_steps=steps)
+
+
+async def _profiled_decode(engine, runner, length, custom, steps, out_dir, warm_tokens=16):
+    """Stream one request; once it decodes, profile `steps` scheduler steps."""
+    params = {"max_new_tokens": warm_tokens + steps + 32, "temperature": 0.0,
+              "ignore_eos": True, "custom_params": custom}
+    stream = await engine.async_generate(input_ids=runner.ids(length), sampling_params=params,
+                                         stream=True)
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == warm_tokens:
+            await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps))
+
+
+async def _profiled_prefill(engine, runner, length, custom, steps, out_dir):
+    """Profile the next `steps` scheduler steps: the prefill of one request (and its chunks)."""
+    await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps))
+    await engine.async_generate(input_ids=runner.ids(length), sampling_params={
+        "max_new_tokens": 1, "temperature": 0.0, "custom_params": custom})
+
+
+def summarize(trace_path: str, phase: str = "decode") -> dict:
+    with gzip.open(trace_path, "rt") if trace_path.endswith(".gz") else open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    kernels_all = [e for e in events if e.get("cat") == "kernel"]
+    if phase == "decode":
+        marks = sorted(e["ts"] for e in events if e["name"] == STEP_MARK)
+        if len(marks) < 3:
+            return {"trace": os.path.basename(trace_path), "error": f"{len(marks)} graph launches"}
+        t0, t1, steps = marks[0], marks[-1], len(marks) - 1
+    else:  # the whole recorded prefill: first kernel start to last kernel end
+        if not kernels_all:
+            return {"trace": os.path.basename(trace_path), "error": "no kernels"}
+        t0 = min(e["ts"] for e in kernels_all)
+        t1 = max(e["ts"] + e["dur"] for e in kernels_all)
+        steps = 1
+    inside = [e for e in events if t0 <= e["ts"] < t1]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in inside if e.get("cat") == "kernel")
+    busy, end = 0.0, t0
+    for a, b in kernels:  # union of kernel intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_kind = collections.Counter()
+    for e in inside:
+        if e.get("cat") == "kernel":
+            by_kind[kernel_kind(e["name"])] += e["dur"]
+    python = collections.defaultdict(list)
+    for e in inside:
+        if e.get("cat") == "python_function":
+            python[(e["pid"], e["tid"])].append(e)
+
+    def frames(e):
+        enclosing = [p for p in python[(e["pid"], e["tid"])]
+                     if p["ts"] <= e["ts"] and p["ts"] + p["dur"] >= e["ts"] + e["dur"]]
+        enclosing.sort(key=lambda p: p["ts"])
+        return [p["name"] for p in enclosing]
+
+    syncs = [e for e in inside if e.get("cat") == "cuda_runtime" and e["name"] in SYNC_CALLS]
+    by_site = collections.Counter()
+    site_us = collections.Counter()
+    for e in syncs[:400]:
+        stack = [f for f in frames(e) if not f.startswith("torch/") and "/torch/" not in f][-6:]
+        site = " <- ".join(reversed(stack)) or "(no python frame)"
+        by_site[site] += 1
+        site_us[site] += e["dur"]
+    ours = collections.Counter()
+    for evs in python.values():
+        for e in evs:
+            if "uniprefill_sglang" in e["name"]:
+                ours[e["name"]] += e["dur"]
+    per_step = 1e3 * steps  # us -> ms per step
+    return {
+        "trace": os.path.basename(trace_path),
+        "phase": phase,
+        "steps": steps,
+        "wall_ms_per_step": (t1 - t0) / per_step,
+        "gpu_busy_ms_per_step": busy / per_step,
+        "gpu_idle_ms_per_step": (t1 - t0 - busy) / per_step,
+        "kernel_ms_per_step_by_kind": {k: v / per_step for k, v in by_kind.most_common()},
+        "syncs_per_step": len(syncs) / steps,
+        "sync_ms_per_step": sum(e["dur"] for e in syncs) / per_step,
+        "sync_sites": [{"count": c, "ms_total": site_us[s] / 1e3, "site": s}
+                       for s, c in by_site.most_common(12)],
+        "uniprefill_host_ms_per_step": {k: v / per_step for k, v in ours.most_common(15)},
+    }
+
+
+def _measure_itl(runner, args, modes, result) -> None:
+    for _ in range(2):  # alternate, so drift hits both alike
+        for name, custom in modes.items():
+            _, metas, _, own = runner.batch(args.length, custom, 1,
+                                            decode_tokens=args.decode_tokens)
+            result["itl_ms"].setdefault(name, []).extend(g * 1e3 for g in own)
+            result["kept"][name] = metas[0].get("kept_tokens")
+    for name in modes:
+        itl = result["itl_ms"][name]
+        result["itl_ms"][name] = {"mean": statistics.mean(itl), "median": statistics.median(itl)}
+        print(f"{name}: decode ITL mean {result['itl_ms'][name]['mean']:.2f} ms, median "
+              f"{result['itl_ms'][name]['median']:.2f} ms", flush=True)
+
+
+def _measure_ttft(runner, args, modes, result) -> None:
+    for name, custom in modes.items():
+        times, metas, _, _ = runner.batch(args.length, custom, 1)
+        result["ttft_s"][name] = times[0]
+        result["kept"][name] = metas[0].get("kept_tokens")
+        print(f"{name}: TTFT {times[0]:.3f} s, kept per stage {result['kept'][name]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--keep-ratio", default="0.5,0.8")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help="steps to record (default: 20 decode steps, or the prefill's chunks)")
+    ap.add_argument("--attention-backend", default="flashinfer")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument("--chunked-prefill-size", default="default")
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args()
+    args.tp_size, args.drop_layers, args.device = 1, None, "cuda"
+    os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    import sglang
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.load(open(f"{args.model_path}/config.json"))
+    kwargs = engine_kwargs_for(args, [args.length + args.decode_tokens + 128])
+    engine = sglang.Engine(**kwargs)
+    chunk = engine.get_server_info().get("chunked_prefill_size") or -1
+    steps = args.profile_steps or (
+        20 if args.phase == "decode" else max(1, -(-args.length // chunk) if chunk > 0 else 1))
+    runner = Runner(engine, cfg["vocab_size"], kwargs["context_length"])
+    modes = {"dense": {"uniprefill": False}, "uniprefill": {"uniprefill_keep_ratio": args.keep_ratio}}
+    result = {"phase": args.phase, "length": args.length, "keep_ratio": args.keep_ratio,
+              "chunked_prefill_size": chunk, "profile_steps": steps,
+              "itl_ms": {}, "ttft_s": {}, "kept": {}, "profile": {}}
+    try:
+        for custom in modes.values():  # warm-up
+            runner.batch(args.length, custom, 1, decode_tokens=4)
+        if args.phase == "decode":
+            _measure_itl(runner, args, modes, result)
+        else:
+            _measure_ttft(runner, args, modes, result)
+        for name, custom in modes.items():
+            before = set(glob.glob(str(out / "*.trace.json*")))
+            profiled = _profiled_decode if args.phase == "decode" else _profiled_prefill
+            engine.loop.run_until_complete(
+                profiled(engine, runner, args.length, custom, steps, out))
+            new = set()
+            for _ in range(120):  # the scheduler writes the trace after the last step
+                new = set(glob.glob(str(out / "*.trace.json*"))) - before
+                if new:
+                    time.sleep(2)
+                    break
+                time.sleep(1)
+            for path in sorted(new):
+                summary = summarize(path, args.phase)
+                os.rename(path, out / f"{args.phase}_{name}.trace.json.gz")
+                result["profile"][name] = summary
+                print(json.dumps({name: summary}, indent=1), flush=True)
+    finally:
+        (out / "summary.json").write_text(json.dumps(result, indent=1))
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
