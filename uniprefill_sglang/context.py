@@ -55,7 +55,7 @@ class DropContext:
 
     @property
     def lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.lens, dtype=torch.int32, device=self.positions.device)
+        return to_device(self.lens, torch.int32, self.positions.device)
 
     def segment_starts(self) -> List[int]:
         starts, acc = [], 0
@@ -85,6 +85,18 @@ class DropContext:
 
     def finish_pending(self) -> None:
         self.pending_rows = None
+
+
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the GPU.
+
+    `torch.tensor(values, device=cuda)` is a blocking copy: it synchronises the stream, which
+    idles the GPU until the host launches again. From pinned memory the copy is queued on the
+    stream instead (torch's host allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 _current: Optional[DropContext] = None

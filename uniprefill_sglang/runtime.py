@@ -16,7 +16,7 @@ import torch
 
 from uniprefill_sglang import kernels
 from uniprefill_sglang.config import UniPrefillConfig
-from uniprefill_sglang.context import DropContext, set_current
+from uniprefill_sglang.context import DropContext, set_current, to_device
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, SlotStages, gather_seq_slots
 from uniprefill_sglang.request_plan import is_prefill_mode, log_fallback_once
 from uniprefill_sglang.tp_agreement import check_enabled
@@ -161,8 +161,8 @@ class UniPrefillRuntime:
         lens = [prefix_lens[b] for b in with_prefix]
         seq = gather_seq_slots(
             self.req_to_token_pool.req_to_token,
-            fb.req_pool_indices[torch.tensor(with_prefix, device=device)],
-            torch.tensor(lens, device=device), sum(lens))
+            fb.req_pool_indices[to_device(with_prefix, torch.int64, device)],
+            to_device(lens, torch.int64, device), sum(lens))
         valid_counts = self.slots.valid_counts(seq.slots, seq.row, len(lens)).tolist()
         for b, counts in zip(with_prefix, valid_counts):
             valid[b] = counts
@@ -318,23 +318,22 @@ class UniPrefillRuntime:
         all_slots = torch.cat([ctx.out_cache_loc.to(torch.int64)] + extra_slots)
         if scored:
             cand_src_t = torch.cat(cand_src)
+            k_indptr_t = to_device(k_indptr, torch.int32, device)
             scores = kernels.score_tokens(
-                torch.cat(q_parts), torch.cat(qpos_parts),
-                torch.tensor(q_indptr, dtype=torch.int32, device=device),
+                torch.cat(q_parts), torch.cat(qpos_parts), to_device(q_indptr, torch.int32, device),
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                torch.cat(k_slots), torch.cat(k_pos),
-                torch.tensor(k_indptr, dtype=torch.int32, device=device), layer.scaling,
+                torch.cat(k_slots), torch.cat(k_pos), k_indptr_t, layer.scaling,
+                max_q=max(hi - lo for lo, hi in zip(q_indptr, q_indptr[1:])),
+                max_k=max(hi - lo for lo, hi in zip(k_indptr, k_indptr[1:])),
             )
             if self.tp_agreement is not None:
                 # Each rank scored its own heads: every rank selects from the same summed bits.
                 scores = self.tp_agreement.reduce_scores(scores)
             ds = [decisions[b] for b, _ in scored]
             keep_idx, new_counts = kernels.select_tokens(
-                scores, torch.cat(k_pos), torch.tensor(k_indptr, dtype=torch.int32, device=device),
-                torch.tensor(cand_start, dtype=torch.int64, device=device), cfg.block_size,
-                torch.tensor([d.top_p for d in ds], dtype=torch.float32, device=device),
-                torch.tensor([d.ratio_at(drop_index) for d in ds], dtype=torch.float32,
-                             device=device),
+                scores, torch.cat(k_pos), k_indptr_t, to_device(cand_start, torch.int64, device),
+                cfg.block_size, to_device([d.top_p for d in ds], torch.float32, device),
+                to_device([d.ratio_at(drop_index) for d in ds], torch.float32, device),
                 cfg.sink_tokens, cfg.last_queries,
             )
             if self.check_tp:
@@ -375,7 +374,8 @@ class UniPrefillRuntime:
             # Parked rows rejoin their request ahead of its new rows: order by (request, position).
             seg_of_row = torch.cat([
                 torch.repeat_interleave(torch.arange(len(decisions), device=device),
-                                        torch.tensor(starts_lens(starts, ctx, total), device=device)),
+                                        to_device(starts_lens(starts, ctx, total), torch.int64,
+                                                  device)),
                 torch.cat(extra_seg),
             ])
             key = seg_of_row[rows] * (int(all_pos.max()) + 1) + all_pos[rows]

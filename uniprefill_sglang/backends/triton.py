@@ -31,7 +31,7 @@ from uniprefill_sglang.backends.common import (
     view_cache,
     write_kv,
 )
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import current, to_device
 from uniprefill_sglang.kv_validity import compact, decode_stage_views
 from uniprefill_sglang.runtime import get_runtime
 
@@ -74,7 +74,7 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
     bs = fb.req_pool_indices.shape[0]
     device = fb.req_pool_indices.device
     seq, valid = extend_view_slots(runtime, backend.req_to_token, fb, stage)
-    lens = torch.tensor(ctx.lens, dtype=torch.int64, device=device)
+    lens = to_device(ctx.lens, torch.int64, device)
     # The survivors are the last lens[b] valid slots of request b: keep the ones before them.
     valid_before = torch.zeros(valid.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(valid, 0, out=valid_before[1:])
