@@ -56,14 +56,15 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def _profile_req(out_dir: Path, steps: int):
+def _profile_req(out_dir: Path, steps: int, gpu: bool = True):
     from sglang.srt.managers.io_struct import ProfileReq
 
-    return ProfileReq(output_dir=str(out_dir), activities=["CPU", "GPU"], with_stack=True,
-                      record_shapes=False, num_steps=steps)
+    return ProfileReq(output_dir=str(out_dir), activities=["CPU", "GPU"] if gpu else ["CPU"],
+                      with_stack=True, record_shapes=False, num_steps=steps)
 
 
-async def _profiled_decode(engine, runner, length, custom, steps, out_dir, warm_tokens=16):
+async def _profiled_decode(engine, runner, length, custom, steps, out_dir, gpu,
+                           warm_tokens=16):
     """Stream one request; once it decodes, profile `steps` scheduler steps."""
     params = {"max_new_tokens": warm_tokens + steps + 32, "temperature": 0.0,
               "ignore_eos": True, "custom_params": custom}
@@ -73,12 +74,12 @@ async def _profiled_decode(engine, runner, length, custom, steps, out_dir, warm_
     async for _ in stream:
         n += 1
         if n == warm_tokens:
-            await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps))
+            await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps, gpu))
 
 
-async def _profiled_prefill(engine, runner, length, custom, steps, out_dir):
+async def _profiled_prefill(engine, runner, length, custom, steps, out_dir, gpu):
     """Profile the next `steps` scheduler steps: the prefill of one request (and its chunks)."""
-    await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps))
+    await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps, gpu))
     await engine.async_generate(input_ids=runner.ids(length), sampling_params={
         "max_new_tokens": 1, "temperature": 0.0, "custom_params": custom})
 
@@ -184,9 +185,15 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
     ap.add_argument("--chunked-prefill-size", default="default")
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu': a smoke run of the script on SGLang's CPU engine (no GPU figures)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
-    args.tp_size, args.drop_layers, args.device = 1, None, "cuda"
+    args.tp_size, args.drop_layers = 1, None
+    if args.device == "cpu":
+        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+
+        activate_cpu_engine_env()
     os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     import sglang
 
@@ -214,7 +221,7 @@ def main() -> None:
             before = set(glob.glob(str(out / "*.trace.json*")))
             profiled = _profiled_decode if args.phase == "decode" else _profiled_prefill
             engine.loop.run_until_complete(
-                profiled(engine, runner, args.length, custom, steps, out))
+                profiled(engine, runner, args.length, custom, steps, out, args.device == "cuda"))
             new = set()
             for _ in range(120):  # the scheduler writes the trace after the last step
                 new = set(glob.glob(str(out / "*.trace.json*"))) - before
