@@ -121,13 +121,18 @@ class UniPrefillRuntime:
                 gaps.append(seq_len - ctx.prefix_valid[b][s] - entered)
             self.kv_gaps.set(row, gaps)
 
+    def _seq_valid_counts(self, req_pool_indices, seq_lens, n: int) -> torch.Tensor:
+        """[bs, D + 1] on the device: per request, how many slots of positions [0, seq_len)
+        hold KV for each stage (n = the lengths' sum, host-known)."""
+        seq = gather_seq_slots(self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, n)
+        return self.slots.valid_counts(seq.slots, seq.row, req_pool_indices.shape[0])
+
     def _check_decode_gaps(self, fb, gaps) -> None:
         """Debug: the host gaps of a decode batch equal what the device's slot stages say."""
         bs = len(gaps)
         seq_lens = fb.seq_lens_cpu[:bs].tolist()
-        seq = gather_seq_slots(self.req_to_token_pool.req_to_token, fb.req_pool_indices[:bs],
-                               fb.seq_lens[:bs], sum(seq_lens))
-        valid = self.slots.valid_counts(seq.slots, seq.row, bs)[:, 1:].tolist()
+        valid = self._seq_valid_counts(fb.req_pool_indices[:bs], fb.seq_lens[:bs],
+                                       sum(seq_lens))[:, 1:].tolist()
         device_gaps = [tuple(n - v for v in vs) for n, vs in zip(seq_lens, valid)]
         if device_gaps != [tuple(g) for g in gaps]:
             raise RuntimeError(f"UniPrefill: decode KV gaps on the host {gaps} != device "
@@ -159,11 +164,9 @@ class UniPrefillRuntime:
             return valid
         device = fb.req_pool_indices.device
         lens = [prefix_lens[b] for b in with_prefix]
-        seq = gather_seq_slots(
-            self.req_to_token_pool.req_to_token,
+        valid_counts = self._seq_valid_counts(
             fb.req_pool_indices[to_device(with_prefix, torch.int64, device)],
-            to_device(lens, torch.int64, device), sum(lens))
-        valid_counts = self.slots.valid_counts(seq.slots, seq.row, len(lens)).tolist()
+            to_device(lens, torch.int64, device), sum(lens)).tolist()
         for b, counts in zip(with_prefix, valid_counts):
             valid[b] = counts
         return valid
@@ -211,9 +214,8 @@ class UniPrefillRuntime:
         bs = len(ctx.lens)
         seq_lens = [p + n for p, n in zip(fb.extend_prefix_lens_cpu or [0] * bs,
                                           fb.extend_seq_lens_cpu)]
-        seq = gather_seq_slots(self.req_to_token_pool.req_to_token, fb.req_pool_indices,
-                               fb.seq_lens, sum(seq_lens))
-        device = self.slots.valid_counts(seq.slots, seq.row, bs)[:, stage].tolist()
+        device = self._seq_valid_counts(fb.req_pool_indices, fb.seq_lens,
+                                        sum(seq_lens))[:, stage].tolist()
         host = [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)]
         if device != host:
             raise RuntimeError(f"UniPrefill: stage {stage} KV lengths on the host {host} != "
