@@ -8,6 +8,7 @@ from typing import List
 
 import torch
 
+from uniprefill_sglang.context import to_device
 from uniprefill_sglang.kv_validity import extend_stage_slots
 from uniprefill_sglang.runtime import get_runtime
 
@@ -80,6 +81,16 @@ def extend_view_slots(runtime, req_to_token, fb, stage: int):
     bs = fb.req_pool_indices.shape[0]
     return extend_stage_slots(runtime.slots, req_to_token, fb.req_pool_indices, fb.seq_lens,
                               seq_lens_sum(fb, bs), stage)
+
+
+def prefix_view_slots(runtime, req_to_token, fb, prefix_lens: List[int], stage: int):
+    """(slots, bounds, valid) of each request's first `prefix_lens[b]` positions and their
+    validity at `stage`, for `kv_validity.compact`."""
+    bs = fb.req_pool_indices.shape[0]
+    lens = to_device(prefix_lens, torch.int64, fb.req_pool_indices.device)
+    seq, valid = extend_stage_slots(runtime.slots, req_to_token, fb.req_pool_indices, lens,
+                                    sum(prefix_lens[:bs]), stage)
+    return seq.slots, seq.bounds, valid
 
 
 def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:

@@ -7,10 +7,15 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
 (query i of qo_len sees kv entries up to kv_len - qo_len + i) over that compacted list is exact.
 
 * Extend (EXTEND / MIXED): at the first layer of a stage that needs a view (stage > 0 and the
-  batch is compacted or holds a sparse prefix) one paged prefill wrapper per stage is planned
-  with qo_indptr from `ctx.lens` and the compacted kv list (lengths known on the host), cached
-  on the drop context and run by every layer of that stage. Those layers write KV for the
-  survivors only (`ctx.out_cache_loc`). Stage 0 and dense batches run upstream code.
+  batch is compacted or holds a sparse prefix) that stage's wrappers are planned from host
+  lengths (`ctx.lens`, the valid prefix counted when the forward began), cached on the drop
+  context and run by every layer of the stage. Like upstream, the survivors attend to each other
+  through the ragged wrapper on the layer's own K/V (paged attention at page size 1 gathers
+  every key through an index: 1.16-1.24x slower on an H200, benchmarks/bench_extend_attention.py)
+  and to the stage's valid prefix, if any, through a paged wrapper, merged by log-sum-exp; where
+  upstream does not use its ragged wrapper, one causal paged wrapper runs over the whole
+  compacted list. Those layers write KV for the survivors only (`ctx.out_cache_loc`). Stage 0
+  and dense batches run upstream code.
 * Decode: for a batch with a sparse request, one decode wrapper per stage > 0 is planned once
   per step; `_get_wrapper_idx` returns the layer's stage while such a metadata is active. Dense
   batches keep upstream's single wrapper.
@@ -38,6 +43,7 @@ from uniprefill_sglang.backends.common import (
     decode_stage_kv_lens,
     extend_needs_view,
     extend_view_slots,
+    prefix_view_slots,
     host_seq_lens,
     seq_lens_sum,
     stages_after_first,
@@ -52,7 +58,7 @@ from uniprefill_sglang.runtime import get_runtime
 # ---- per-backend state -----------------------------------------------------------------------
 class _State:
     def __init__(self):
-        self.extend_wrappers: Dict[int, object] = {}
+        self.extend_wrappers: Dict[tuple, object] = {}  # (kind, stage) -> wrapper
         self.decode_wrappers: Dict[int, object] = {}
         # Decode CUDA graphs: per-stage static buffers and shared int workspaces.
         # Decode CUDA graphs: row k is stage k + 1 ([D, max_bs + 1] and [D, max_kv_tokens]).
@@ -80,58 +86,88 @@ def _supported(backend) -> bool:
 
 
 # ---- extend ----------------------------------------------------------------------------------
-def _extend_wrapper(backend, stage: int):
-    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+class _StageView:
+    """The wrappers one stage's layers run in an extend forward.
+
+    Ragged (upstream's choice when it uses its ragged wrapper): the survivors attend to each
+    other's K/V straight from the layer (causal, like upstream's prefill without a prefix), and
+    to the stage's valid prefix through a paged wrapper (non-causal), merged by log-sum-exp.
+    Paged: one causal paged wrapper over the whole compacted list (prefix + survivors' slots)."""
+
+    def __init__(self, ragged=None, prefix=None, paged=None):
+        self.ragged, self.prefix, self.paged = ragged, prefix, paged
+
+
+def _wrapper(backend, kind: str, stage: int):
+    """One wrapper per (kind, stage): each is planned once per forward, before the earlier
+    stages' layers have run, so re-planning a shared one would race their pinned plan copies."""
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
     st = _state(backend)
-    w = st.extend_wrappers.get(stage)
+    w = st.extend_wrappers.get((kind, stage))
     if w is None:
-        w = BatchPrefillWithPagedKVCacheWrapper(
-            backend.workspace_buffer, "NHD", backend=backend.prefill_backend
-        )
-        st.extend_wrappers[stage] = w
+        if kind == "ragged":
+            w = BatchPrefillWithRaggedKVCacheWrapper(
+                backend.workspace_buffer, "NHD", backend=backend.prefill_wrapper_ragged._backend)
+        else:
+            w = BatchPrefillWithPagedKVCacheWrapper(
+                backend.workspace_buffer, "NHD", backend=backend.prefill_backend)
+        st.extend_wrappers[(kind, stage)] = w
     return w
 
 
-def _plan_extend_view(backend, runtime, ctx, fb, stage: int):
-    """Plan (once per stage per forward) the paged prefill wrapper of `stage`."""
-    cache = view_cache(ctx, "_uniprefill_fi_views")
-    wrapper = cache.get(stage)
-    if wrapper is not None:
-        return wrapper
-    bs = fb.req_pool_indices.shape[0]
-    req_to_token = backend.req_to_token_pool.req_to_token
-    seq, valid = extend_view_slots(runtime, req_to_token, fb, stage)
-    counts, _, indices = compact(seq.slots, seq.bounds, valid)
-    # Host lengths, no sync: the prefix's valid KV at this stage (counted when the forward
-    # began) plus the rows still alive, which are the last entries of the list.
-    kv_lens = torch.tensor([p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)],
-                           dtype=torch.int32)
-    qo_lens = torch.tensor(ctx.lens, dtype=torch.int32)
-    if runtime.check_kv_lens:
-        check_kv_lens(kv_lens, counts, f"extend stage {stage}")
-    qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
-    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
-    torch.cumsum(qo_lens, 0, out=qo_indptr[1:])
-    torch.cumsum(kv_lens, 0, out=kv_indptr[1:])
+def _host_cumsum(lens) -> torch.Tensor:
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=indptr[1:])
+    return indptr
+
+
+def _plan_paged(backend, wrapper, qo_lens, kv_lens, indices, causal: bool) -> None:
     upd = backend.indices_updater_prefill
-    wrapper = _extend_wrapper(backend, stage)
     wrapper.plan(
-        qo_indptr,
-        kv_indptr,
-        indices,
-        torch.ones(bs, dtype=torch.int32),
-        upd.num_qo_heads,
-        upd.num_kv_heads,
-        upd.head_dim,
-        1,
-        causal=True,
-        q_data_type=upd.q_data_type,
-        kv_data_type=upd.data_type,
+        _host_cumsum(qo_lens), _host_cumsum(kv_lens), indices,
+        torch.ones(len(qo_lens), dtype=torch.int32),
+        upd.num_qo_heads, upd.num_kv_heads, upd.head_dim, 1,
+        causal=causal, q_data_type=upd.q_data_type, kv_data_type=upd.data_type,
         non_blocking=True,
     )
-    cache[stage] = wrapper
-    return wrapper
+
+
+def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
+    """Plan (once per stage per forward) the wrappers of `stage`. Lengths come from the host:
+    the prefix's valid KV at this stage (counted when the forward began) and the rows alive."""
+    cache = view_cache(ctx, "_uniprefill_fi_views")
+    view = cache.get(stage)
+    if view is not None:
+        return view
+    req_to_token = backend.req_to_token_pool.req_to_token
+    prefix_lens = [p[stage] for p in ctx.prefix_valid]
+    upd = backend.indices_updater_prefill
+    if backend.forward_metadata.use_ragged:
+        ragged = _wrapper(backend, "ragged", stage)
+        indptr = _host_cumsum(ctx.lens)
+        ragged.plan(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
+                    causal=True, q_data_type=upd.q_data_type, non_blocking=True)
+        view = _StageView(ragged=ragged)
+        if any(prefix_lens):
+            # The prefix: positions before the request's first current row (`fixed_lens`; for a
+            # final chunk whose parked rows rejoined, before those rows).
+            prefix = prefix_view_slots(runtime, req_to_token, fb, ctx.fixed_lens, stage)
+            counts, _, indices = compact(*prefix)
+            if runtime.check_kv_lens:
+                check_kv_lens(torch.tensor(prefix_lens), counts, f"extend prefix stage {stage}")
+            view.prefix = _wrapper(backend, "prefix", stage)
+            _plan_paged(backend, view.prefix, ctx.lens, prefix_lens, indices, causal=False)
+    else:
+        seq, valid = extend_view_slots(runtime, req_to_token, fb, stage)
+        counts, _, indices = compact(seq.slots, seq.bounds, valid)
+        kv_lens = [p + n for p, n in zip(prefix_lens, ctx.lens)]
+        if runtime.check_kv_lens:
+            check_kv_lens(torch.tensor(kv_lens), counts, f"extend stage {stage}")
+        view = _StageView(paged=_wrapper(backend, "paged", stage))
+        _plan_paged(backend, view.paged, ctx.lens, kv_lens, indices, causal=True)
+    cache[stage] = view
+    return view
 
 
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
@@ -142,19 +178,31 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
             or not _supported(backend)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     stage = runtime.stages.stage(layer.layer_id)
-    wrapper = _plan_extend_view(backend, runtime, ctx, forward_batch, stage)
+    view = _plan_extend_view(backend, runtime, ctx, forward_batch, stage)
     if save_kv_cache:
         write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k, v,
                  *backend._kv_write_scales(layer))
-    o = wrapper.forward(
-        q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim),
-        backend.token_to_kv_pool.get_kv_buffer(layer.layer_id),
-        causal=True,
-        sm_scale=layer.scaling,
-        logits_soft_cap=layer.logit_cap,
-        k_scale=layer.k_scale_float,
-        v_scale=layer.v_scale_float,
-    )
+    q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
+    kv_cache = backend.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    if view.paged is not None:
+        o = view.paged.forward(q, kv_cache, causal=True, sm_scale=layer.scaling,
+                               logits_soft_cap=layer.logit_cap, k_scale=layer.k_scale_float,
+                               v_scale=layer.v_scale_float)
+        return o.view(-1, layer.tp_q_head_num * layer.head_dim)
+    k = k.view(-1, layer.tp_k_head_num, layer.head_dim)
+    v = v.view(-1, layer.tp_v_head_num, layer.head_dim)
+    if view.prefix is None:
+        o = view.ragged.forward(q, k, v, causal=True, sm_scale=layer.scaling,
+                                logits_soft_cap=layer.logit_cap)
+    else:
+        from sglang.srt.layers.attention.flashinfer_backend import _safe_merge_state
+
+        o1, s1 = view.ragged.forward_return_lse(q, k, v, causal=True, sm_scale=layer.scaling,
+                                                logits_soft_cap=layer.logit_cap)
+        o2, s2 = view.prefix.forward_return_lse(q, kv_cache, causal=False,
+                                                sm_scale=layer.scaling,
+                                                logits_soft_cap=layer.logit_cap)
+        o, _ = _safe_merge_state(o1, s1, o2, s2)
     return o.view(-1, layer.tp_q_head_num * layer.head_dim)
 
 
