@@ -107,9 +107,10 @@ def _meta(rec) -> dict:
     return rec["uniprefill"][-1]
 
 
-def _same_positions(a: list, b: list) -> float:
+def _same_positions(a: list, b: list) -> int:
+    """How many prompts kept the same positions in both runs."""
     return sum(x["uniprefill"][-1]["kept_digest"] == y["uniprefill"][-1]["kept_digest"]
-               for x, y in zip(a, b)) / len(a)
+               for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
@@ -129,10 +130,13 @@ def test_chunked_keeps_what_unchunked_keeps(results, pair):
         same_pos = _same_positions(whole[variant], chunked[variant])
         kernels = _same_positions(whole[variant], other_whole[variant])
         same_out = sum(a["output_ids"] == b["output_ids"]
-                       for a, b in zip(whole[variant], chunked[variant])) / len(w)
-        print(f"{pair} {variant}: kept positions equal on {same_pos:.0%} (unchunked FlashInfer "
-              f"vs Triton: {kernels:.0%}), greedy tokens on {same_out:.0%} of {len(w)} prompts")
-        assert same_pos >= min(kernels, 0.8) - 1 / len(PROMPTS), (variant, same_pos, kernels)
+                       for a, b in zip(whole[variant], chunked[variant]))
+        n = len(w)
+        print(f"{pair} {variant}: kept positions equal on {same_pos}/{n} prompts (unchunked "
+              f"FlashInfer vs Triton: {kernels}/{n}), greedy tokens on {same_out}/{n}")
+        # Counted in prompts (a fraction compare failed on float rounding at the boundary):
+        # at most one prompt more disagreement than switching kernels, capped at 80% agreement.
+        assert same_pos >= min(kernels, int(0.8 * n)) - 1, (variant, same_pos, kernels)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
