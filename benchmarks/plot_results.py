@@ -6,7 +6,9 @@
   keep-ratio schedule, with the FLOP-ideal speedup for the tokens actually kept (dashed)
   (prefill_h200_flashinfer.json, static prefill, one request);
 * ttft_vs_concurrency_h200.png: mean TTFT of dense SGLang and UniPrefill servers under
-  sglang.bench_serving at 32K and 64K inputs, against concurrency (serving_h200_flashinfer.json).
+  sglang.bench_serving at 32K and 64K inputs, against concurrency (serving_h200_flashinfer.json,
+  the full sweep of the second session, as lines; serving_h200_after_ragged_extend.json, the
+  latest code at concurrency 1 and 8, as large markers).
 """
 
 from __future__ import annotations
@@ -44,23 +46,29 @@ def plot_speedup(plt, src: Path, dst: Path) -> None:
     plt.close(fig)
 
 
-def plot_serving(plt, src: Path, dst: Path) -> None:
-    rows = [r for r in json.loads(src.read_text())["rows"] if "error" not in r]
-    lengths = sorted({r["length"] for r in rows})
+def plot_serving(plt, sweep: Path, latest: Path, dst: Path) -> None:
+    """The full concurrency sweep as lines, the latest run (current code, fewer points) as large
+    markers on top."""
+    runs = [(json.loads(sweep.read_text())["rows"], "-", 5, "full sweep, 2nd session"),
+            (json.loads(latest.read_text())["rows"], "", 10, "after ragged extend")]
+    lengths = sorted({r["length"] for rows, *_ in runs for r in rows})
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
     for ax, length in zip(axes[0], lengths):
-        for name, style in (("dense", "s-"), ("uniprefill", "o-")):
-            rs = sorted((r for r in rows if r["server"] == name and r["length"] == length),
-                        key=lambda r: r["concurrency"])
-            ax.plot([r["concurrency"] for r in rs], [r["mean_ttft_ms"] / 1e3 for r in rs], style,
-                    label="dense SGLang" if name == "dense" else "UniPrefill (keep 0.5, 0.8)")
+        for rows, line, size, when in runs:
+            for name, marker, color in (("dense", "s", "C0"), ("uniprefill", "o", "C1")):
+                rs = sorted((r for r in rows if "error" not in r and r["server"] == name
+                             and r["length"] == length), key=lambda r: r["concurrency"])
+                label = "dense SGLang" if name == "dense" else "UniPrefill (keep 0.5, 0.8)"
+                ax.plot([r["concurrency"] for r in rs], [r["mean_ttft_ms"] / 1e3 for r in rs],
+                        marker + line, color=color, markersize=size, alpha=0.55 if line else 1,
+                        label=f"{label}, {when}")
         ax.set_xscale("log", base=2)
         ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
         ax.set_xlabel("concurrency")
         ax.set_ylabel("mean TTFT (s)")
         ax.set_title(f"bench_serving, {length // 1024}K-token inputs")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
     plt.close(fig)
@@ -75,6 +83,7 @@ def main() -> None:
     plot_speedup(plt, RESULTS / "prefill_h200_flashinfer.json",
                  RESULTS / "speedup_vs_length_h200.png")
     plot_serving(plt, RESULTS / "serving_h200_flashinfer.json",
+                 RESULTS / "serving_h200_after_ragged_extend.json",
                  RESULTS / "ttft_vs_concurrency_h200.png")
     print("wrote", RESULTS / "speedup_vs_length_h200.png", RESULTS / "ttft_vs_concurrency_h200.png")
 
