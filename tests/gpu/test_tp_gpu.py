@@ -168,6 +168,15 @@ def test_tp2_greedy_tokens_match_tp1(results, pair):
         full = _share_equal(_outputs(tp1[variant]), _outputs(tp2[variant]))
         print(f"{pair}: {variant}: first token equal on {first:.0%}, all tokens on {full:.0%} "
               f"(dense: {dense_first:.0%}, {dense_full:.0%})")
+        if variant in ("keep", "top_p"):
+            # Per prompt: did both keep the same positions, and give the same first token? A
+            # first-token miss where the selections agree points at the forward, not the scores.
+            same_kept = [a == b for a, b in zip(_meta(tp1[variant], "kept_digest"),
+                                                 _meta(tp2[variant], "kept_digest"))]
+            same_first = [a == b for a, b in zip(_outputs(tp1[variant], True),
+                                                  _outputs(tp2[variant], True))]
+            print(f"{pair}: {variant}: per prompt (length, same kept, same first token): "
+                  f"{list(zip(LENGTHS, same_kept, same_first))}")
         assert first >= 0.85, (variant, first)
 
 
