@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from uniprefill_sglang.backends.common import decode_stage_kv_lens
+from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view_slots
 from uniprefill_sglang.kv_validity import KVGaps, SlotStages, compact, decode_stage_views, \
     gather_seq_slots
 
@@ -80,6 +80,28 @@ def test_decode_views_hold_what_the_host_lengths_say(seed):
             seq = req_to_token[r, :length].long()
             keep = stages.slot_stage[seq] >= k + 1 if b < bs else torch.ones(length, dtype=torch.bool)
             assert indices[k, indptr[k, b]:indptr[k, b + 1]].tolist() == seq[keep].tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
+    """The FlashInfer ragged path's prefix view at every stage: in position order, the slots of
+    positions [0, fixed_len) whose KV that stage holds, and as many as the host counts say."""
+    bs = 4
+    stages, req_to_token, rows, lens = _random_pool(seed, bs=bs, max_len=29)
+    rng = random.Random(seed)
+    fixed = [rng.randint(0, n) for n in lens.tolist()]  # the rest of each sequence is this step's
+    fb = SimpleNamespace(req_pool_indices=rows)
+    runtime = SimpleNamespace(slots=stages)
+    for stage in range(NUM_DROPS + 1):
+        slots, bounds, valid = prefix_view_slots(runtime, req_to_token, fb, fixed, stage)
+        counts, indptr, indices = compact(slots, bounds, valid)
+        host = [_valid_loop(stages, req_to_token, int(r), f, stage)
+                for r, f in zip(rows.tolist(), fixed)]
+        assert counts.tolist() == host
+        for b, (r, f) in enumerate(zip(rows.tolist(), fixed)):
+            seq = req_to_token[r, :f].long()
+            want = seq[stages.slot_stage[seq] >= stage].tolist()
+            assert indices[indptr[b]:indptr[b + 1]].tolist() == want
 
 
 def test_compact_one_view_keeps_order_and_refuses_a_short_buffer():
