@@ -8,7 +8,9 @@ the batch needs a per-stage view; dense requests and batches run upstream code.
   (uniprefill_sglang/backends/torch_native.py).
 * `FlashInferAttnBackend` (uniprefill_sglang/backends/flashinfer.py):
   - `forward_extend` (AROUND): layers of a stage with a sparse view write KV for the survivors
-    and run a paged prefill wrapper planned once per stage per forward over the compacted view.
+    and run wrappers planned once per stage per forward: ragged among the survivors plus paged
+    over the stage's valid prefix, merged (or, where upstream runs no ragged wrapper, one paged
+    wrapper over the whole compacted view).
   - `init_forward_metadata` (AROUND): a decode batch with sparse KV plans one decode wrapper
     per stage; `_get_wrapper_idx` (AROUND) returns the layer's stage under such metadata.
   - `init_cuda_graph_state` / `_create_decode_wrappers` (AFTER) and
