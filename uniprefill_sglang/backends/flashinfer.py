@@ -170,6 +170,17 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     return view
 
 
+def _merge_state():
+    """Upstream's merge of two partial attentions by log-sum-exp (it routes head counts that
+    FlashInfer's kernel cannot launch to a Triton kernel); FlashInfer's own if it is renamed."""
+    try:
+        from sglang.srt.layers.attention.flashinfer_backend import _safe_merge_state
+        return _safe_merge_state
+    except ImportError:
+        from flashinfer.cascade import merge_state
+        return merge_state
+
+
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `FlashInferAttnBackend.forward_extend`."""
@@ -195,14 +206,12 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         o = view.ragged.forward(q, k, v, causal=True, sm_scale=layer.scaling,
                                 logits_soft_cap=layer.logit_cap)
     else:
-        from sglang.srt.layers.attention.flashinfer_backend import _safe_merge_state
-
         o1, s1 = view.ragged.forward_return_lse(q, k, v, causal=True, sm_scale=layer.scaling,
                                                 logits_soft_cap=layer.logit_cap)
         o2, s2 = view.prefix.forward_return_lse(q, kv_cache, causal=False,
                                                 sm_scale=layer.scaling,
                                                 logits_soft_cap=layer.logit_cap)
-        o, _ = _safe_merge_state(o1, s1, o2, s2)
+        o, _ = _merge_state()(o1, s1, o2, s2)
     return o.view(-1, layer.tp_q_head_num * layer.head_dim)
 
 
