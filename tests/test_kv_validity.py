@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view_slots
-from uniprefill_sglang.kv_validity import KVGaps, SlotStages, compact, decode_stage_views, \
-    gather_seq_slots
+from uniprefill_sglang.kv_validity import KVGaps, SlotStages, check_kv_lens, compact, \
+    decode_stage_views, gather_seq_slots
 
 NUM_DROPS = 4
 
@@ -121,3 +121,10 @@ def test_kv_gaps_reject_negative_gaps():
     assert gaps.get(1) == (0, 2, 5) and gaps.get(0) == (0, 0, 0)
     with pytest.raises(RuntimeError, match="negative"):
         gaps.set(2, [1, -1, 0])
+
+
+def test_check_kv_lens_names_both_sides_on_a_mismatch():
+    device = torch.tensor([[3, 2], [5, 5]], dtype=torch.int64)
+    check_kv_lens(torch.tensor([[3, 2], [5, 5]], dtype=torch.int32), device, "equal")
+    with pytest.raises(RuntimeError, match=r"decode: host KV lengths \[\[3, 2\], \[5, 4\]\]"):
+        check_kv_lens(torch.tensor([[3, 2], [5, 4]]), device, "decode")

@@ -104,6 +104,15 @@ class KVGaps:
         return self.by_row[row]
 
 
+def check_kv_lens(host: torch.Tensor, device_counts: torch.Tensor, what: str) -> None:
+    """Debug (UNIPREFILL_CHECK_KV_LENS=1, one sync): the host lengths a plan uses must equal
+    the KV the view (or the slot map) really holds."""
+    got = device_counts.cpu().to(torch.int32)
+    if not torch.equal(host.to(torch.int32), got):
+        raise RuntimeError(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
+                           f"device {got.tolist()}")
+
+
 # ---- per-stage views on the device (no host sync) -------------------------------------------
 def segment_ids(lens: torch.Tensor, n: int) -> torch.Tensor:
     """[0,0,1,2,2,2,...]: the segment of each of the n = sum(lens) elements."""

@@ -17,7 +17,8 @@ import torch
 from uniprefill_sglang import kernels
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, set_current, to_device
-from uniprefill_sglang.kv_validity import KVGaps, LayerStages, SlotStages, gather_seq_slots
+from uniprefill_sglang.kv_validity import KVGaps, LayerStages, SlotStages, check_kv_lens, \
+    gather_seq_slots
 from uniprefill_sglang.request_plan import is_prefill_mode, log_fallback_once
 from uniprefill_sglang.tp_agreement import check_enabled
 
@@ -128,15 +129,13 @@ class UniPrefillRuntime:
         return self.slots.valid_counts(seq.slots, seq.row, req_pool_indices.shape[0])
 
     def _check_decode_gaps(self, fb, gaps) -> None:
-        """Debug: the host gaps of a decode batch equal what the device's slot stages say."""
+        """Debug: the host gaps of a decode batch agree with the device's slot stages."""
         bs = len(gaps)
-        seq_lens = fb.seq_lens_cpu[:bs].tolist()
-        valid = self._seq_valid_counts(fb.req_pool_indices[:bs], fb.seq_lens[:bs],
-                                       sum(seq_lens))[:, 1:].tolist()
-        device_gaps = [tuple(n - v for v in vs) for n, vs in zip(seq_lens, valid)]
-        if device_gaps != [tuple(g) for g in gaps]:
-            raise RuntimeError(f"UniPrefill: decode KV gaps on the host {gaps} != device "
-                               f"{device_gaps}")
+        seq_lens = fb.seq_lens_cpu[:bs].to(torch.int32)
+        device = self._seq_valid_counts(fb.req_pool_indices[:bs], fb.seq_lens[:bs],
+                                        int(seq_lens.sum()))[:, 1:]
+        host = seq_lens.unsqueeze(1) - torch.tensor(gaps, dtype=torch.int32)
+        check_kv_lens(host, device, "decode, valid KV per request and stage from the host gaps")
 
     def _count_kept(self, ctx: DropContext) -> None:
         """Count the requests that went through every drop (not the chunks that parked)."""
@@ -214,12 +213,9 @@ class UniPrefillRuntime:
         bs = len(ctx.lens)
         seq_lens = [p + n for p, n in zip(fb.extend_prefix_lens_cpu or [0] * bs,
                                           fb.extend_seq_lens_cpu)]
-        device = self._seq_valid_counts(fb.req_pool_indices, fb.seq_lens,
-                                        sum(seq_lens))[:, stage].tolist()
-        host = [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)]
-        if device != host:
-            raise RuntimeError(f"UniPrefill: stage {stage} KV lengths on the host {host} != "
-                               f"device {device}")
+        device = self._seq_valid_counts(fb.req_pool_indices, fb.seq_lens, sum(seq_lens))
+        host = torch.tensor([p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)])
+        check_kv_lens(host, device[:, stage], f"extend after a drop, stage {stage}")
 
     def _drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
         """At a drop layer, after its attention: keep the top blocks of each enabled request.

@@ -67,15 +67,6 @@ def decode_stage_kv_lens(ctx, fb, bs: int, num_stages: int) -> torch.Tensor:
     return seq.unsqueeze(0) - gaps.T
 
 
-def check_kv_lens(host: torch.Tensor, device_counts: torch.Tensor, what: str) -> None:
-    """Debug (UNIPREFILL_CHECK_KV_LENS=1, one sync): the host lengths a plan uses must equal
-    the KV the view really holds."""
-    got = device_counts.cpu().to(torch.int32)
-    if not torch.equal(host.to(torch.int32), got):
-        raise RuntimeError(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
-                           f"device {got.tolist()}")
-
-
 def extend_view_slots(runtime, req_to_token, fb, stage: int):
     """Extend at `stage`: every slot of each request's sequence with its validity at `stage`."""
     bs = fb.req_pool_indices.shape[0]

@@ -38,7 +38,6 @@ import torch
 
 from uniprefill_sglang.backends.common import (
     active_runtime,
-    check_kv_lens,
     decode_has_sparse,
     decode_stage_kv_lens,
     extend_needs_view,
@@ -51,7 +50,12 @@ from uniprefill_sglang.backends.common import (
     write_kv,
 )
 from uniprefill_sglang.context import current
-from uniprefill_sglang.kv_validity import compact, decode_stage_views, gather_seq_slots
+from uniprefill_sglang.kv_validity import (
+    check_kv_lens,
+    compact,
+    decode_stage_views,
+    gather_seq_slots,
+)
 from uniprefill_sglang.runtime import get_runtime
 
 
