@@ -120,16 +120,18 @@ def _wrapper(backend, kind: str, stage: int):
     return w
 
 
-def _host_cumsum(lens) -> torch.Tensor:
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0, out=indptr[1:])
+def _host_indptr(lens) -> torch.Tensor:
+    """[0, cumsum(lens)] on the host (int32), from a list or a host tensor of lengths."""
+    lens = torch.as_tensor(lens, dtype=torch.int32)
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=indptr[1:])
     return indptr
 
 
 def _plan_paged(backend, wrapper, qo_lens, kv_lens, indices, causal: bool) -> None:
     upd = backend.indices_updater_prefill
     wrapper.plan(
-        _host_cumsum(qo_lens), _host_cumsum(kv_lens), indices,
+        _host_indptr(qo_lens), _host_indptr(kv_lens), indices,
         torch.ones(len(qo_lens), dtype=torch.int32),
         upd.num_qo_heads, upd.num_kv_heads, upd.head_dim, 1,
         causal=causal, q_data_type=upd.q_data_type, kv_data_type=upd.data_type,
@@ -149,7 +151,7 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     upd = backend.indices_updater_prefill
     if backend.forward_metadata.use_ragged:
         ragged = _wrapper(backend, "ragged", stage)
-        indptr = _host_cumsum(ctx.lens)
+        indptr = _host_indptr(ctx.lens)
         ragged.plan(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
                     causal=True, q_data_type=upd.q_data_type, non_blocking=True)
         view = _StageView(ragged=ragged)
@@ -225,12 +227,6 @@ def _decode_plan_args(backend):
     return (upd.num_qo_heads, upd.num_kv_heads, upd.head_dim, 1), dict(
         data_type=upd.data_type, q_data_type=upd.q_data_type, non_blocking=True
     )
-
-
-def _host_indptr(lens: torch.Tensor) -> torch.Tensor:
-    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
-    torch.cumsum(lens.to(torch.int32), 0, out=indptr[1:])
-    return indptr
 
 
 def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
