@@ -6,9 +6,9 @@ invariant):
 
 * Extend (stage > 0, compacted batch or sparse prefix): the extend kernel takes the survivors'
   q/k/v directly (causal among them) and, as its "prefix", each request's valid slots at this
-  stage minus the last `ctx.lens[b]` ones (which are the survivors themselves: chunked prefill's
-  parked rows live in the prefix region of `req_to_token`). Built once per stage per forward
-  (cached on the drop context); the layer writes KV for the survivors only.
+  stage before its first current row (`ctx.fixed_lens`; chunked prefill's rejoining parked rows
+  are current rows). Built once per stage per forward (cached on the drop context); the layer
+  writes KV for the survivors only.
 * Decode: for a batch holding a request with sparse KV, per-stage kv_indptr / kv_indices /
   num_kv_splits; `forward_decode` swaps them into the metadata for the layers of that stage.
 * Decode CUDA graphs: per-stage static buffers captured into the graph and refilled on replay
@@ -25,14 +25,14 @@ from uniprefill_sglang.backends.common import (
     active_runtime,
     decode_has_sparse,
     extend_needs_view,
-    extend_view_slots,
+    prefix_view_slots,
     seq_lens_sum,
     stages_after_first,
     view_cache,
     write_kv,
 )
 from uniprefill_sglang.context import current, to_device
-from uniprefill_sglang.kv_validity import compact, decode_stage_views
+from uniprefill_sglang.kv_validity import check_kv_lens, compact, decode_stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -73,16 +73,15 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
         return view
     bs = fb.req_pool_indices.shape[0]
     device = fb.req_pool_indices.device
-    seq, valid = extend_view_slots(runtime, backend.req_to_token, fb, stage)
+    # The prefix: valid slots before each request's first current row (`fixed_lens`; for a
+    # final chunk whose parked rows rejoined, before those rows), as backends/flashinfer.py.
+    counts, kv_indptr, kv_indices = compact(
+        *prefix_view_slots(runtime, backend.req_to_token, fb, ctx.fixed_lens, stage),
+        dtype=torch.int64)
+    if runtime.check_kv_lens:
+        check_kv_lens(torch.tensor([p[stage] for p in ctx.prefix_valid]), counts,
+                      f"extend prefix stage {stage}")
     lens = to_device(ctx.lens, torch.int64, device)
-    # The survivors are the last lens[b] valid slots of request b: keep the ones before them.
-    valid_before = torch.zeros(valid.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(valid, 0, out=valid_before[1:])
-    at_bounds = valid_before[seq.bounds]
-    counts = at_bounds[1:] - at_bounds[:-1]
-    rank = valid_before[:-1] - at_bounds[:-1][seq.row]
-    keep = valid & (rank < (counts - lens)[seq.row])
-    _, kv_indptr, kv_indices = compact(seq.slots, seq.bounds, keep, dtype=torch.int64)
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
     torch.cumsum(lens, 0, out=qo_indptr[1:])
     view = (kv_indptr, kv_indices, qo_indptr, max(ctx.lens))
