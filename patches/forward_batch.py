@@ -16,7 +16,8 @@ def _attach_plan(forward_batch, cls, batch, *args, **kwargs):
     forward_batch.uniprefill_plan = None
     if runtime is None:
         return forward_batch
-    # Host copy of the request rows: decode reads per-request sparsity without a device sync.
+    # Host copy of the request rows: decode (per-request sparsity) and each drop (the rows of
+    # req_to_token) read them without a device sync.
     forward_batch.uniprefill_req_rows = [req.req_pool_idx for req in batch.reqs]
     if not is_prefill_mode(batch.forward_mode):
         return forward_batch

@@ -233,7 +233,7 @@ class UniPrefillRuntime:
         decisions = ctx.plan.decisions
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
         starts = ctx.segment_starts()
-        req_rows = fb.req_pool_indices.tolist()
+        req_rows = self._host_rows(fb)  # host copy: no sync before the scoring
         prefix_lens = ctx.fixed_lens
         req_to_token = self.req_to_token_pool.req_to_token
         total = ctx.positions.shape[0]
