@@ -58,7 +58,7 @@ def engine_kwargs_for(args, lengths) -> dict:
         context_length=max(lengths) + 64, mem_fraction_static=args.mem_fraction_static,
         cuda_graph_backend_prefill="disabled", log_level="error", random_seed=0,
         cuda_graph_max_bs_decode=16,  # decode graphs only for the ITL probe: start faster
-        tp_size=args.tp_size,
+        tp_size=args.tp_size, port=args.port,
         skip_tokenizer_init=True,  # token ids in, token ids out: the folder needs no tokenizer
     )
     if args.chunked_prefill_size != "default":  # else SGLang's own choice for this GPU
@@ -175,6 +175,8 @@ def main() -> None:
                     help="> 1: the measured requests stream this many tokens; report their ITL")
     ap.add_argument("--drop-layers", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--port", type=int, default=30000,
+                    help="engine port base (give engines running side by side their own)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
