@@ -10,11 +10,12 @@ tie and any TP bug would still keep the same blocks). Weights are real safetenso
 TP=2 load the same model (SGLang's dummy loader would seed each rank's shard on its own).
 
 Every engine runs with UNIPREFILL_CHECK_TP=1 (each drop all-gathers a digest of every rank's
-selection and raises on a mismatch, which stops the engine and fails the test) and UNIPREFILL_REPORT_KEPT=1 (each request reports
-a fingerprint of its kept positions per stage). The engines run one after another (TP=2 holds
-both GPUs), each with decode CUDA graphs on,
-chunked prefill at 2048 tokens (so the longer prompts park chunks), the radix cache on, and a
-200-request load of mixed lengths: FlashInfer TP=1 and TP=2, and Triton TP=2.
+selection and raises on a mismatch, which stops the engine and fails the test) and
+UNIPREFILL_REPORT_KEPT=1 (each request reports a fingerprint of its kept positions per stage).
+The engines run one after another (TP=2 holds both GPUs): FlashInfer TP=1 and TP=2, and Triton
+TP=2, each with decode CUDA graphs on, chunked prefill at 2048 tokens (so the longer prompts
+park chunks), the radix cache on, and a 200-request load of mixed lengths (once with
+UniPrefill, once dense).
 
 TP=2 adds the two halves of the heads' partial sums in another order than TP=1 (row-parallel
 o_proj / down_proj, and the score sum), so TP=1 and TP=2 are equal only within bf16 noise: the
@@ -59,6 +60,7 @@ ENGINES = {
 }
 # Triton TP=2 is held against FlashInfer TP=1: kernel noise adds to the TP noise there.
 PAIRS = [("fi_tp1", "fi_tp2"), ("fi_tp1", "tr_tp2")]
+MAX_EXTRA_FLIPS = 0.05  # first-token flips UniPrefill TP=2 may add to dense TP=2's (see below)
 QK_STD = 0.05  # attention logits of std ~3: peaked, content-dependent scores
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 LENGTHS = [700, 1200, 1900, 2600, 3300, 4100, 5200, 6400]  # > 2048: chunked, parked
@@ -90,6 +92,11 @@ def run_workload(engine) -> dict:
     outs = engine.generate(input_ids=_load_prompts(),
                            sampling_params=dict(GREEDY, max_new_tokens=8))
     res["load"] = [_record(o) for o in outs]
+    _flush(engine)
+    # The same load dense: the baseline of how often TP alone flips a first token.
+    outs = engine.generate(input_ids=_load_prompts(), sampling_params=dict(
+        GREEDY, max_new_tokens=1, custom_params={"uniprefill": False}))
+    res["load_dense"] = [_record(o) for o in outs]
     return res
 
 
@@ -154,30 +161,46 @@ def test_tp2_keeps_what_tp1_keeps(results, pair):
         assert agree >= 0.7, (variant, d1, d2)
 
 
+def _first_token_flips(pairs: list) -> float:
+    """Share of (TP=1, TP=2) record pairs whose first generated token differs."""
+    return sum(a["output_ids"][0] != b["output_ids"][0] for a, b in pairs) / len(pairs)
+
+
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
-def test_tp2_greedy_tokens_match_tp1(results, pair):
-    """The first token (the prefill's) must match; later tokens are reported, not asserted: this
-    model's greedy decode amplifies bf16 noise (dense TP=1 and TP=2 diverge within 16 tokens on
-    about half the prompts, measured on the H200), so whole-sequence equality is no test of TP."""
+def test_tp2_first_tokens_match_tp1(results, pair):
+    """TP=2 alone flips the first (prefill) token of a few prompts: this random 6-layer model
+    has near-tied logits, and TP=2 sums bf16 partials in another order. On the H200 it flipped 2
+    of the 54 load prompts too short to drop anything, under both backends. So one prompt in 8
+    is no test; the prompts are pooled instead. Among all UniPrefill requests (singles, radix,
+    the 200-request load) whose TP=1 and TP=2 kept the same positions, the share of flipped
+    first tokens may exceed dense's share on the same prompts (singles and the load run dense)
+    by at most MAX_EXTRA_FLIPS. A bug in a TP path (a wrong head split, a stale plan) flips far
+    more: the 40-odd chunked prompts of the load alone are 20 points. Later tokens are only
+    reported: greedy decode amplifies the noise (dense TP=1 and TP=2 part within 16 tokens on
+    about half the prompts)."""
     tp1, tp2 = (results[n] for n in pair)
-    dense_first = _share_equal(_outputs(tp1["dense"], True), _outputs(tp2["dense"], True))
-    dense_full = _share_equal(_outputs(tp1["dense"]), _outputs(tp2["dense"]))
-    assert dense_first >= 0.85
+    dense = list(zip(tp1["dense"] + tp1["load_dense"], tp2["dense"] + tp2["load_dense"]))
+    dense_flips = _first_token_flips(dense)
+    pooled = []
     for variant in ("keep", "top_p", "radix", "load"):
-        first = _share_equal(_outputs(tp1[variant], True), _outputs(tp2[variant], True))
+        pairs = list(zip(tp1[variant], tp2[variant]))
+        same_kept = [_meta([a], "kept_digest") == _meta([b], "kept_digest") for a, b in pairs]
+        same_first = [a["output_ids"][0] == b["output_ids"][0] for a, b in pairs]
         full = _share_equal(_outputs(tp1[variant]), _outputs(tp2[variant]))
-        print(f"{pair}: {variant}: first token equal on {first:.0%}, all tokens on {full:.0%} "
-              f"(dense: {dense_first:.0%}, {dense_full:.0%})")
+        print(f"{pair}: {variant}: first token equal on {sum(same_first)}/{len(pairs)}, all "
+              f"tokens on {full:.0%}; same kept positions on {sum(same_kept)}/{len(pairs)}")
         if variant in ("keep", "top_p"):
-            # Per prompt: did both keep the same positions, and give the same first token? A
-            # first-token miss where the selections agree points at the forward, not the scores.
-            same_kept = [a == b for a, b in zip(_meta(tp1[variant], "kept_digest"),
-                                                 _meta(tp2[variant], "kept_digest"))]
-            same_first = [a == b for a, b in zip(_outputs(tp1[variant], True),
-                                                  _outputs(tp2[variant], True))]
             print(f"{pair}: {variant}: per prompt (length, same kept, same first token): "
                   f"{list(zip(LENGTHS, same_kept, same_first))}")
-        assert first >= 0.85, (variant, first)
+        pooled += [(p, k) for p, k in zip(pairs, same_kept)]
+    same_selection = [p for p, k in pooled if k]
+    up_flips = _first_token_flips(same_selection)
+    all_flips = _first_token_flips([p for p, _ in pooled])
+    print(f"{pair}: first tokens flipped: dense {dense_flips:.1%} of {len(dense)}; UniPrefill "
+          f"{up_flips:.1%} of {len(same_selection)} with the same selection, {all_flips:.1%} "
+          f"of all {len(pooled)}")
+    assert up_flips <= dense_flips + MAX_EXTRA_FLIPS, (up_flips, dense_flips)
+    assert all_flips <= 0.15, all_flips
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
