@@ -58,7 +58,8 @@ def engine_kwargs_for(args, lengths) -> dict:
         context_length=max(lengths) + 64, mem_fraction_static=args.mem_fraction_static,
         cuda_graph_backend_prefill="disabled", log_level="error", random_seed=0,
         cuda_graph_max_bs_decode=16,  # decode graphs only for the ITL probe: start faster
-        tp_size=args.tp_size, port=args.port,
+        tp_size=args.tp_size,
+        port=getattr(args, "port", 30000),  # profile_steps.py shares this without --port
         skip_tokenizer_init=True,  # token ids in, token ids out: the folder needs no tokenizer
     )
     if args.chunked_prefill_size != "default":  # else SGLang's own choice for this GPU
