@@ -72,8 +72,12 @@ ENGINES = {
     "flashinfer": dict(attention_backend="flashinfer"),  # decode + prefill CUDA graphs on
     "flashinfer_nograph": dict(attention_backend="flashinfer", disable_cuda_graph=True),
     "triton": dict(attention_backend="triton"),  # decode + prefill CUDA graphs on
+    # Upstream's paged-only FlashInfer prefill (as under deterministic inference): the adapter's
+    # fallback of one paged view per stage instead of ragged survivors + paged prefix.
+    "flashinfer_paged": dict(attention_backend="flashinfer"),
 }
-GPU_BACKENDS = ["flashinfer", "flashinfer_nograph", "triton"]
+ENGINE_ENV = {"flashinfer_paged": {"SGLANG_FLASHINFER_USE_PAGED": "1"}}
+GPU_BACKENDS = ["flashinfer", "flashinfer_nograph", "triton", "flashinfer_paged"]
 META = "uniprefill"
 TIMEOUT_S = 270  # all engines, start-up included
 WORKLOAD_TIMEOUT_S = 120
@@ -270,6 +274,7 @@ def run_engine(name: str, model_dir: str, out_path: str) -> None:
     # A stuck workload dumps the Python stacks of this process and of the engine's children
     # (PYTHONFAULTHANDLER makes SIGABRT print them) instead of just timing out.
     os.environ["PYTHONFAULTHANDLER"] = "1"
+    os.environ.update(ENGINE_ENV.get(name, {}))  # before the engine's processes start
     port = 31000 + 50 * list(ENGINES).index(name)
     engine = sglang.Engine(model_path=model_dir, port=port, **COMMON_ENGINE_KWARGS,
                            **ENGINES[name])
