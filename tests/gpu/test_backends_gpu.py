@@ -204,7 +204,7 @@ def run_scenarios(engine) -> dict:
     res = {"errors": {}}
     try:
         _run_scenarios(engine, res)
-    except Exception as e:  # keep what ran; the tests report the rest
+    except Exception:  # keep what ran; the tests report the rest
         import traceback
 
         res["errors"]["workload"] = traceback.format_exc()[-3000:]
