@@ -142,8 +142,8 @@ def _meta(recs: list, key: str) -> list:
     return [(r["uniprefill"] or [{}])[-1].get(key) for r in recs]
 
 
-def _outputs(recs: list, first_only: bool = False) -> list:
-    return [r["output_ids"][:1] if first_only else r["output_ids"] for r in recs]
+def _outputs(recs: list) -> list:
+    return [r["output_ids"] for r in recs]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
