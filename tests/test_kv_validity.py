@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view_slots
+from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view
 from uniprefill_sglang.kv_validity import KVGaps, SlotStages, check_kv_lens, compact, \
     decode_stage_views, gather_seq_slots
 
@@ -84,24 +84,29 @@ def test_decode_views_hold_what_the_host_lengths_say(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
-    """The FlashInfer ragged path's prefix view at every stage: in position order, the slots of
-    positions [0, fixed_len) whose KV that stage holds, and as many as the host counts say."""
+    """Both GPU adapters' prefix view at every stage: in position order, the slots of positions
+    [0, fixed_len) whose KV that stage holds, as many as the host counts say (checked inside, as
+    under UNIPREFILL_CHECK_KV_LENS, and again here)."""
     bs = 4
     stages, req_to_token, rows, lens = _random_pool(seed, bs=bs, max_len=29)
     rng = random.Random(seed)
     fixed = [rng.randint(0, n) for n in lens.tolist()]  # the rest of each sequence is this step's
     fb = SimpleNamespace(req_pool_indices=rows)
-    runtime = SimpleNamespace(slots=stages)
+    runtime = SimpleNamespace(slots=stages, check_kv_lens=True)
+    host = [[_valid_loop(stages, req_to_token, int(r), f, stage)
+             for stage in range(NUM_DROPS + 1)] for r, f in zip(rows.tolist(), fixed)]
+    ctx = SimpleNamespace(fixed_lens=fixed, prefix_valid=host)
     for stage in range(NUM_DROPS + 1):
-        slots, bounds, valid = prefix_view_slots(runtime, req_to_token, fb, fixed, stage)
-        counts, indptr, indices = compact(slots, bounds, valid)
-        host = [_valid_loop(stages, req_to_token, int(r), f, stage)
-                for r, f in zip(rows.tolist(), fixed)]
-        assert counts.tolist() == host
+        counts, indptr, indices = prefix_view(runtime, req_to_token, fb, ctx, stage)
+        assert counts.tolist() == [h[stage] for h in host]
         for b, (r, f) in enumerate(zip(rows.tolist(), fixed)):
             seq = req_to_token[r, :f].long()
             want = seq[stages.slot_stage[seq] >= stage].tolist()
             assert indices[indptr[b]:indptr[b + 1]].tolist() == want
+    # A host count the slot map contradicts is refused.
+    ctx.prefix_valid = [[n + 1 for n in h] for h in host]
+    with pytest.raises(RuntimeError, match="extend prefix stage 0"):
+        prefix_view(runtime, req_to_token, fb, ctx, 0)
 
 
 def test_compact_one_view_keeps_order_and_refuses_a_short_buffer():

@@ -9,7 +9,7 @@ from typing import List
 import torch
 
 from uniprefill_sglang.context import to_device
-from uniprefill_sglang.kv_validity import extend_stage_slots
+from uniprefill_sglang.kv_validity import check_kv_lens, compact, extend_stage_slots
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -74,14 +74,21 @@ def extend_view_slots(runtime, req_to_token, fb, stage: int):
                               seq_lens_sum(fb, bs), stage)
 
 
-def prefix_view_slots(runtime, req_to_token, fb, prefix_lens: List[int], stage: int):
-    """(slots, bounds, valid) of each request's first `prefix_lens[b]` positions and their
-    validity at `stage`, for `kv_validity.compact`."""
+def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None):
+    """Extend at `stage`: each request's valid prefix, the slots of positions before its first
+    current row (`ctx.fixed_lens`; for a final chunk whose parked rows rejoined, before those
+    rows) whose KV the stage holds. Returns `kv_validity.compact`'s (counts, indptr, indices);
+    under UNIPREFILL_CHECK_KV_LENS the counts are checked against the host's `ctx.prefix_valid`,
+    which the plans use."""
     bs = fb.req_pool_indices.shape[0]
-    lens = to_device(prefix_lens, torch.int64, fb.req_pool_indices.device)
+    lens = to_device(ctx.fixed_lens, torch.int64, fb.req_pool_indices.device)
     seq, valid = extend_stage_slots(runtime.slots, req_to_token, fb.req_pool_indices, lens,
-                                    sum(prefix_lens[:bs]), stage)
-    return seq.slots, seq.bounds, valid
+                                    sum(ctx.fixed_lens[:bs]), stage)
+    counts, indptr, indices = compact(seq.slots, seq.bounds, valid, dtype=dtype)
+    if runtime.check_kv_lens:
+        check_kv_lens(torch.tensor([p[stage] for p in ctx.prefix_valid]), counts,
+                      f"extend prefix stage {stage}")
+    return counts, indptr, indices
 
 
 def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:

@@ -43,7 +43,7 @@ from uniprefill_sglang.backends.common import (
     extend_needs_view,
     extend_view_slots,
     host_seq_lens,
-    prefix_view_slots,
+    prefix_view,
     seq_lens_sum,
     stages_after_first,
     view_cache,
@@ -156,12 +156,7 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
                     causal=True, q_data_type=upd.q_data_type, non_blocking=True)
         view = _StageView(ragged=ragged)
         if any(prefix_lens):
-            # The prefix: positions before the request's first current row (`fixed_lens`; for a
-            # final chunk whose parked rows rejoined, before those rows).
-            prefix = prefix_view_slots(runtime, req_to_token, fb, ctx.fixed_lens, stage)
-            counts, _, indices = compact(*prefix)
-            if runtime.check_kv_lens:
-                check_kv_lens(torch.tensor(prefix_lens), counts, f"extend prefix stage {stage}")
+            _, _, indices = prefix_view(runtime, req_to_token, fb, ctx, stage)
             view.prefix = _wrapper(backend, "prefix", stage)
             _plan_paged(backend, view.prefix, ctx.lens, prefix_lens, indices, causal=False)
     else:

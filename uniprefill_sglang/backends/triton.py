@@ -25,14 +25,14 @@ from uniprefill_sglang.backends.common import (
     active_runtime,
     decode_has_sparse,
     extend_needs_view,
-    prefix_view_slots,
+    prefix_view,
     seq_lens_sum,
     stages_after_first,
     view_cache,
     write_kv,
 )
 from uniprefill_sglang.context import current, to_device
-from uniprefill_sglang.kv_validity import check_kv_lens, compact, decode_stage_views
+from uniprefill_sglang.kv_validity import decode_stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -73,14 +73,8 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
         return view
     bs = fb.req_pool_indices.shape[0]
     device = fb.req_pool_indices.device
-    # The prefix: valid slots before each request's first current row (`fixed_lens`; for a
-    # final chunk whose parked rows rejoined, before those rows), as backends/flashinfer.py.
-    counts, kv_indptr, kv_indices = compact(
-        *prefix_view_slots(runtime, backend.req_to_token, fb, ctx.fixed_lens, stage),
-        dtype=torch.int64)
-    if runtime.check_kv_lens:
-        check_kv_lens(torch.tensor([p[stage] for p in ctx.prefix_valid]), counts,
-                      f"extend prefix stage {stage}")
+    _, kv_indptr, kv_indices = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
+                                            dtype=torch.int64)
     lens = to_device(ctx.lens, torch.int64, device)
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
     torch.cumsum(lens, 0, out=qo_indptr[1:])
