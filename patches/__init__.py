@@ -12,12 +12,13 @@ from uniprefill_sglang.patches import (
     forward_batch,
     logits,
     model_runner,
+    sampling_params,
     scheduler,
     server_args,
 )
 
-_MODULES = (server_args, forward_batch, model_runner, logits, attention_backends, scheduler,
-            cuda_graphs)
+_MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, attention_backends,
+            scheduler, cuda_graphs)
 
 
 def register_all() -> None:

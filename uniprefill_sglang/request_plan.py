@@ -13,7 +13,8 @@ import dataclasses
 import logging
 from typing import List, Optional
 
-from uniprefill_sglang.config import UniPrefillConfig, UniPrefillConfigError, parse_keep_ratios
+from uniprefill_sglang.config import UniPrefillConfig
+from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 
 logger = logging.getLogger(__name__)
 
@@ -80,34 +81,21 @@ def _custom_params(req) -> dict:
     return params if isinstance(params, dict) else {}
 
 
-def _float_param(params: dict, key: str, default: Optional[float]) -> Optional[float]:
-    value = params.get(key)
-    if value is None:
-        return default
-    value = float(value)
-    if not (0.0 < value <= 1.0):
-        raise ValueError(f"custom_params[{key!r}] must be in (0, 1], got {value}")
-    return value
-
-
 def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
            batch_reason: Optional[str]) -> RequestDecision:
-    params = _custom_params(req)
     top_p, keep_ratio = config.top_p, config.keep_ratio
 
     def dense(reason: str) -> RequestDecision:
         return RequestDecision(False, top_p, keep_ratio or (), reason)
 
     try:
-        top_p = _float_param(params, "uniprefill_top_p", top_p)
-        if params.get("uniprefill_keep_ratio") is not None:
-            keep_ratio = parse_keep_ratios(params["uniprefill_keep_ratio"],
-                                           "custom_params['uniprefill_keep_ratio']")
-        elif params.get("uniprefill_top_p") is not None:
-            keep_ratio = None  # an explicit per-request top-p wins over a server keep ratio
-    except (TypeError, ValueError, UniPrefillConfigError) as e:
+        knobs = parse_request_knobs(_custom_params(req), config)
+    except RequestKnobError as e:
+        # The tokenizer already answers these with a 400 (patches/sampling_params.py); a
+        # request that reached the scheduler another way still runs dense, saying why.
         return dense(f"invalid per-request parameter: {e}")
-    if params.get("uniprefill") is False:
+    top_p, keep_ratio = knobs.top_p, knobs.keep_ratio
+    if not knobs.enabled:
         return dense("disabled by the request")
     if not has_schedule:
         return dense(_no_schedule_reason)

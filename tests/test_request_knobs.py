@@ -1,0 +1,87 @@
+"""Per-request knobs (uniprefill_sglang/request_knobs.py), without an engine.
+
+The HTTP answers to the same bad values (400 naming the knob) are in test_http_server.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from uniprefill_sglang.config import DEFAULT_TOP_P, build_config
+from uniprefill_sglang.request_knobs import (
+    KNOBS,
+    RequestKnobError,
+    RequestKnobs,
+    parse_request_knobs,
+)
+
+FLAGS = dict(top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
+             drop_layers=None, min_prompt_tokens=0)
+TOP_P_SERVER = build_config(**FLAGS)
+KEEP_SERVER = build_config(**{**FLAGS, "keep_ratio": "0.3,0.6"})
+
+# (custom_params, the knob the message must name, a fragment of the reason)
+BAD = [
+    ({"uniprefill_top_p": 2}, "uniprefill_top_p", "in (0, 1], got 2.0"),
+    ({"uniprefill_top_p": -1}, "uniprefill_top_p", "in (0, 1], got -1.0"),
+    ({"uniprefill_top_p": 0}, "uniprefill_top_p", "in (0, 1], got 0.0"),
+    ({"uniprefill_top_p": "abc"}, "uniprefill_top_p", "must be a number"),
+    ({"uniprefill_top_p": "0.5"}, "uniprefill_top_p", "must be a number"),
+    ({"uniprefill_top_p": None}, "uniprefill_top_p", "null"),
+    ({"uniprefill_top_p": True}, "uniprefill_top_p", "got true"),
+    ({"uniprefill_top_p": [0.5]}, "uniprefill_top_p", "must be a number"),
+    ({"uniprefill_top_p": math.nan}, "uniprefill_top_p", "got nan"),
+    ({"uniprefill_top_p": math.inf}, "uniprefill_top_p", "got inf"),
+    ({"uniprefill_keep_ratio": [0.5, 0]}, "uniprefill_keep_ratio", "[1] must be in (0, 1]"),
+    ({"uniprefill_keep_ratio": [1.5]}, "uniprefill_keep_ratio", "[0] must be in (0, 1]"),
+    ({"uniprefill_keep_ratio": 0}, "uniprefill_keep_ratio", "in (0, 1], got 0.0"),
+    ({"uniprefill_keep_ratio": 1.5}, "uniprefill_keep_ratio", "in (0, 1], got 1.5"),
+    ({"uniprefill_keep_ratio": []}, "uniprefill_keep_ratio", "non-empty"),
+    ({"uniprefill_keep_ratio": "0.5,abc"}, "uniprefill_keep_ratio", "comma-separated"),
+    ({"uniprefill_keep_ratio": "0.5,nan"}, "uniprefill_keep_ratio", "[1] must be in (0, 1]"),
+    ({"uniprefill_keep_ratio": None}, "uniprefill_keep_ratio", "null"),
+    ({"uniprefill_keep_ratio": [0.5, None]}, "uniprefill_keep_ratio", "[1] must be a number"),
+    ({"uniprefill_keep_ratio": {"a": 0.5}}, "uniprefill_keep_ratio", "must be a number"),
+    ({"uniprefill": "yes"}, "uniprefill", "true or false, got 'yes'"),
+    ({"uniprefill": 1}, "uniprefill", "true or false, got 1"),
+    ({"uniprefill": None}, "uniprefill", "null"),
+    ({"uniprefill_topp": 0.5}, "uniprefill_topp", "unknown UniPrefill knob"),
+    ({"UniPrefill_Top_P": 0.5}, "UniPrefill_Top_P", "unknown UniPrefill knob"),
+    ({"uniprefill-top-p": 0.5}, "uniprefill-top-p", "unknown UniPrefill knob"),
+    ({"uniprefill_top_p": 0.5, "uniprefill_keep_ratio": 0.5}, "uniprefill_keep_ratio",
+     "mutually exclusive"),
+]
+
+
+@pytest.mark.parametrize("params, knob, reason", BAD, ids=[repr(b[0]) for b in BAD])
+def test_bad_knobs_raise_a_value_error_naming_the_knob(params, knob, reason):
+    with pytest.raises(ValueError) as info:
+        parse_request_knobs(params, TOP_P_SERVER)
+    assert isinstance(info.value, RequestKnobError)
+    message = str(info.value)
+    assert f'custom_params["{knob}"]' in message, message
+    assert reason in message, message
+
+
+def test_server_defaults_without_knobs():
+    for params in (None, {}, {"__req__": object(), "thinking_budget": 5}, "not a dict"):
+        assert parse_request_knobs(params, TOP_P_SERVER) == RequestKnobs(True, DEFAULT_TOP_P, ())
+        assert parse_request_knobs(params, KEEP_SERVER) == RequestKnobs(True, DEFAULT_TOP_P,
+                                                                        (0.3, 0.6))
+
+
+def test_good_knobs():
+    parse = parse_request_knobs
+    assert parse({"uniprefill": False}, TOP_P_SERVER) == RequestKnobs(False, DEFAULT_TOP_P, ())
+    assert parse({"uniprefill": True}, KEEP_SERVER).keep_ratio == (0.3, 0.6)
+    # A per-request top-p replaces a server keep ratio, and the other way round.
+    assert parse({"uniprefill_top_p": 0.9}, KEEP_SERVER) == RequestKnobs(True, 0.9, ())
+    assert parse({"uniprefill_top_p": 1}, TOP_P_SERVER) == RequestKnobs(True, 1.0, ())
+    assert parse({"uniprefill_keep_ratio": 0.5}, TOP_P_SERVER).keep_ratio == (0.5,)
+    assert parse({"uniprefill_keep_ratio": [0.2, 1]}, TOP_P_SERVER).keep_ratio == (0.2, 1.0)
+    assert parse({"uniprefill_keep_ratio": "0.2, 0.4"}, TOP_P_SERVER).keep_ratio == (0.2, 0.4)
+    # Keys of other plugins pass untouched next to ours.
+    assert parse({"uniprefill_top_p": 0.8, "my_plugin_knob": "x"}, TOP_P_SERVER).top_p == 0.8
+    assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio")

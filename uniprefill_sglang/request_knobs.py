@@ -1,0 +1,139 @@
+"""Per-request UniPrefill knobs: one parser, used where SGLang validates sampling parameters
+(patches/sampling_params.py: a bad knob is an HTTP 400 naming it) and by the scheduler's
+per-request decision (request_plan.decide).
+
+Clients set the knobs in ``sampling_params["custom_params"]`` (``/generate``) or in the request
+body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_params": {...}}``):
+
+* ``uniprefill``: ``true``/``false``; ``false`` runs the request dense.
+* ``uniprefill_top_p``: a number in (0, 1]: keep blocks holding this much attention mass.
+* ``uniprefill_keep_ratio``: a number in (0, 1], a non-empty list of them (one per drop layer, the
+  last repeats) or a comma-separated string of them (as ``--uniprefill-keep-ratio``).
+
+Rules, all enforced with a ``ValueError`` that names the knob:
+
+* ``null`` is not a value of any knob. To get the server default, leave the key out: a client
+  that sends ``null`` may mean "off" as well as "default", and we do not guess.
+* Booleans are not numbers (``true`` is not a top-p of 1), and a number is not a boolean.
+* NaN and infinities are out of range.
+* ``uniprefill_top_p`` and ``uniprefill_keep_ratio`` together are refused, as their flags are at
+  start-up. Either one given alone replaces the server's selection rule for that request (a
+  per-request top-p overrides a server ``--uniprefill-keep-ratio`` and the other way round).
+* A key that starts with ``uniprefill`` (any case, ``_`` or ``-``) but is none of the above is
+  refused, so a typo (``uniprefill_topp``) is not silently served with the defaults. Keys that
+  are not ours (other plugins', SGLang's own ``__req__``) are left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from uniprefill_sglang.config import UniPrefillConfig
+
+ENABLE = "uniprefill"
+TOP_P = "uniprefill_top_p"
+KEEP_RATIO = "uniprefill_keep_ratio"
+KNOBS = (ENABLE, TOP_P, KEEP_RATIO)
+
+
+class RequestKnobError(ValueError):
+    """A per-request knob with a wrong type or out of range; the message names the knob."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestKnobs:
+    enabled: bool  # False: the request asked to run dense
+    top_p: float
+    keep_ratio: tuple  # one fraction per drop (the last repeats); empty: select by top-p
+
+
+def _name(key: str) -> str:
+    return f'custom_params["{key}"]'
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fraction(key: str, value: Any, what: str = "") -> float:
+    if not _is_number(value):
+        raise RequestKnobError(
+            f"{_name(key)}{what} must be a number in (0, 1], got {_show(value)}")
+    value = float(value)
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise RequestKnobError(f"{_name(key)}{what} must be in (0, 1], got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null (leave the key out for the server default)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _keep_ratios(value: Any) -> tuple:
+    if isinstance(value, str):
+        parts = [p for p in value.replace(" ", "").split(",") if p]
+        if not parts:
+            raise RequestKnobError(
+                f"{_name(KEEP_RATIO)} must be a fraction in (0, 1] or a list of them, "
+                f"got {_show(value)}")
+        ratios = []
+        for i, p in enumerate(parts):
+            try:
+                number = float(p)
+            except ValueError:
+                raise RequestKnobError(
+                    f"{_name(KEEP_RATIO)} must be a fraction in (0, 1] or a comma-separated "
+                    f"list of them, got {_show(value)}") from None
+            suffix = f"[{i}]" if len(parts) > 1 else ""
+            ratios.append(_fraction(KEEP_RATIO, number, suffix))
+        return tuple(ratios)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise RequestKnobError(
+                f"{_name(KEEP_RATIO)} must be a fraction in (0, 1] or a non-empty list of them, "
+                "got []")
+        return tuple(_fraction(KEEP_RATIO, v, f"[{i}]") for i, v in enumerate(value))
+    return (_fraction(KEEP_RATIO, value),)
+
+
+def _is_ours(key: Any) -> bool:
+    return isinstance(key, str) and key.lower().replace("-", "_").startswith(ENABLE)
+
+
+def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig) -> RequestKnobs:
+    """The request's knobs, from its ``custom_params`` and the server's config.
+
+    Raises ``RequestKnobError`` (a ``ValueError``) naming the first bad knob.
+    """
+    top_p, keep_ratio = config.top_p, tuple(config.keep_ratio or ())
+    if not isinstance(custom_params, dict):
+        return RequestKnobs(True, top_p, keep_ratio)
+    unknown = sorted(k for k in custom_params if _is_ours(k) and k not in KNOBS)
+    if unknown:
+        raise RequestKnobError(
+            f"unknown UniPrefill knob {_name(unknown[0])}; the per-request knobs are "
+            f"{', '.join(KNOBS)}")
+    enabled = True
+    if ENABLE in custom_params:
+        enabled = custom_params[ENABLE]
+        if not isinstance(enabled, bool):
+            raise RequestKnobError(
+                f"{_name(ENABLE)} must be true or false, got {_show(enabled)}")
+    if TOP_P in custom_params and KEEP_RATIO in custom_params:
+        raise RequestKnobError(
+            f"{_name(TOP_P)} and {_name(KEEP_RATIO)} are mutually exclusive: set at most one "
+            "(top-p selects by attention mass, keep-ratio by a fixed budget)")
+    if TOP_P in custom_params:
+        top_p, keep_ratio = _fraction(TOP_P, custom_params[TOP_P]), ()
+    elif KEEP_RATIO in custom_params:
+        keep_ratio = _keep_ratios(custom_params[KEEP_RATIO])
+    return RequestKnobs(enabled, top_p, keep_ratio)
