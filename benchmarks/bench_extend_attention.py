@@ -13,6 +13,7 @@ import json
 import statistics
 
 import torch
+from result_header import result_header
 
 
 def time_ms(fn, repeats: int) -> float:
@@ -68,7 +69,8 @@ def main() -> None:
         print(f"| {n} | {t_r:.2f} | {t_p:.2f} | {t_p / t_r:.2f}x | {diff:.1e} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__,
+            json.dump({"header": result_header(model=f"attention only: Hq {hq}, Hkv {hk}, D {d}"),
+                       "gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__,
                        "q_heads": hq, "kv_heads": hk, "head_dim": d, "rows": rows}, f, indent=1)
 
 

@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from result_header import result_header
 
 
 def layer_flops(n_tokens: int, cfg: dict) -> float:
@@ -209,7 +210,8 @@ def main() -> None:
     def save():
         if args.out:  # keep what was measured even if a later length does not finish
             with open(args.out, "w") as f:
-                json.dump({**setup, "rows": rows}, f, indent=1)
+                json.dump({"header": result_header(model=args.model_path), **setup, "rows": rows},
+                          f, indent=1)
 
     print(setup)
     print("| length | conc | schedule | dense s | UniPrefill s | speedup | FLOP-ideal | of ideal "

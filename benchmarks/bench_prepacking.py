@@ -75,6 +75,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_header import result_header
 
 METHODS = ("hf_padded", "hf_packed", "sglang_dense", "sglang_uniprefill")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -373,6 +374,7 @@ def main() -> None:
     del packed_probe, padded_probe
 
     result = {
+        "header": result_header(model=str(args.model_path)),
         "date": datetime.date.today().isoformat(),
         "device": args.device,
         "device_name": (torch.cuda.get_device_name() if args.device == "cuda"

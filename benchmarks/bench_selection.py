@@ -30,6 +30,7 @@ import sys
 import time
 
 import torch
+from result_header import result_header
 
 H200_TFLOPS = 790.0
 H200_TBPS = 4.8
@@ -249,7 +250,9 @@ def main(argv=None):
                 print(f"- L={r['L']} B={r['B']} {s['cfg']}: {fmt(s['score_ms'])}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=dev_name, torch=torch.__version__, time=time.time(), args=vars(args),
+            json.dump(dict(header=result_header(model=f"selection only: Hq {args.hq}, Hkv {args.hkv}, "
+                                                      f"D {args.head_dim}"),
+                           device=dev_name, torch=torch.__version__, time=time.time(), args=vars(args),
                            results=results), f, indent=2)
         print(f"\nJSON written to {args.out}", file=sys.stderr)
     return 0

@@ -38,6 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from result_header import result_header  # noqa: E402
 from synthetic_model import prepare  # noqa: E402
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
@@ -182,7 +183,8 @@ def main() -> None:
     def save():
         with lock:
             Path(args.out).write_text(json.dumps(
-                {"setup": setup, "summary": summarize(rows), "rows": rows}, indent=1))
+                {"header": result_header(model=args.model_path), "setup": setup,
+                 "summary": summarize(rows), "rows": rows}, indent=1))
 
     if len(gpus) > 1:  # side by side: start both, sweep both at once
         servers = [Server(n, model, 30000 + 100 * i, g, x, out_dir, context)

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_header, also when loaded by path
+from result_header import result_header  # noqa: E402
 
 SWEEPS = ("none", "default", "top_p", "keep_ratio", "block_size", "last_queries")
 # Values of each sweep (the paper's ablations; top-p 0.9-1.0).
@@ -500,6 +502,8 @@ def main(argv=None) -> dict:
     summary = summarize(rows, configs)
     duration = time.perf_counter() - t_all
     result = {
+        "header": result_header(model=model_path, argv=[
+            "benchmarks/eval_suite.py", *(argv if argv is not None else sys.argv[1:])]),
         "meta": {
             "date": started.date().isoformat(), "started_utc": started.isoformat(),
             "duration_s": duration, "machine": _machine(), "model": model_path,

@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_prefill import Runner, engine_kwargs_for  # noqa: E402
+from result_header import result_header  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
               "cudaMemcpy")  # cudaMemcpy (not ...Async) blocks the host too
@@ -207,7 +208,8 @@ def main() -> None:
         20 if args.phase == "decode" else max(1, -(-args.length // chunk) if chunk > 0 else 1))
     runner = Runner(engine, cfg["vocab_size"], kwargs["context_length"])
     modes = {"dense": {"uniprefill": False}, "uniprefill": {"uniprefill_keep_ratio": args.keep_ratio}}
-    result = {"phase": args.phase, "length": args.length, "keep_ratio": args.keep_ratio,
+    result = {"header": result_header(model=args.model_path), "phase": args.phase,
+              "length": args.length, "keep_ratio": args.keep_ratio,
               "chunked_prefill_size": chunk, "profile_steps": steps,
               "itl_ms": {}, "ttft_s": {}, "kept": {}, "profile": {}}
     try:
