@@ -185,7 +185,7 @@ def main() -> None:
     import os
 
     if args.device == "cpu":
-        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
         activate_cpu_engine_env()
 

@@ -5,7 +5,8 @@ Methods (all produce each prompt's next-token logits; nothing is decoded beyond 
   hf_padded     Hugging Face transformers, right padding to the longest prompt, 2D mask.
   hf_packed     The same HF model, Prepacking (Zhao et al., 2024): prompts bin-packed into rows by
                 first-fit decreasing (row capacity = the longest prompt), block-diagonal causal
-                4D mask, positions restarting per prompt (``uniprefill_sglang/prepacking.py``).
+                4D mask, positions restarting per prompt
+                (``uniprefill_sglang/tools/prepacking.py``).
   sglang_dense  SGLang's ragged (varlen) prefill: all prompts sent at once as one
                 ``engine.generate(input_ids=[...], max_new_tokens=1)`` call, UniPrefill off per
                 request (``custom_params={"uniprefill": False}``).
@@ -173,7 +174,7 @@ def load_hf_model(model_path: str, device: str, dtype: torch.dtype, random_weigh
 
 
 def run_hf(model, method: str, prompts, device: str, dtype: torch.dtype):
-    from uniprefill_sglang import prepacking as pp
+    from uniprefill_sglang.tools import prepacking as pp
 
     if method == "hf_padded":
         batch = pp.build_padded_batch(prompts, device=device)
@@ -228,7 +229,7 @@ def start_engine(args, random_weights: bool, total_tokens: int, n: int):
     if random_weights:
         common["load_format"] = "dummy"
     if args.device == "cpu":
-        from uniprefill_sglang.cpu_engine import make_cpu_engine
+        from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
         # On the CPU SGLang sizes the KV pool from free host RAM (shared with whatever else
         # runs); a high fraction keeps the pool at max_total_tokens (32768) whenever RAM allows.
@@ -322,11 +323,11 @@ def main() -> None:
 
     if args.device == "cpu":
         # Before anything imports sglang (the HF half does not, the engine start does).
-        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
         activate_cpu_engine_env()
         if args.model_path is None:
-            from uniprefill_sglang.model_zoo import prepare_smollm2
+            from uniprefill_sglang.tools.model_zoo import prepare_smollm2
 
             args.model_path = prepare_smollm2()
     elif args.model_path is None:
@@ -356,7 +357,7 @@ def main() -> None:
     # Warm-up batch: the K shortest prompts (a warm-up only has to pay the one-time costs).
     warm = sorted(prompts, key=len)[: args.warmup_prompts] if args.warmup_prompts else prompts
 
-    from uniprefill_sglang.prepacking import build_packed_batch, build_padded_batch
+    from uniprefill_sglang.tools.prepacking import build_packed_batch, build_padded_batch
 
     packed_probe = build_packed_batch(prompts, dtype=torch.float32, device="meta")
     padded_probe = build_padded_batch(prompts)

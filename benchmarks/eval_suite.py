@@ -1,6 +1,6 @@
 """Long-context evaluation suite: dense vs UniPrefill on RULER-style tasks, in one engine.
 
-Cases come from ``uniprefill_sglang/eval_tasks.py`` (generated locally, deterministic). Every
+Cases come from ``uniprefill_sglang/tools/tasks.py`` (generated locally, deterministic). Every
 case is sent once dense (``custom_params={"uniprefill": False}``) and once per UniPrefill
 configuration, greedy, streamed (time to first streamed chunk = TTFT). Per task and length it
 reports dense accuracy, UniPrefill accuracy, agreement (UniPrefill correct on the cases dense
@@ -11,7 +11,7 @@ a sweep).
 Targets: ``--base-url http://host:port`` (a running SGLang server, native ``/generate``; launch
 it with ``--enable-uniprefill --disable-radix-cache``), or an ``sglang.Engine`` built here from
 ``--model`` (``smollm2`` / ``gemma3-270m`` from model_zoo, or a folder) and ``--engine-kwargs``
-(JSON); without CUDA that is SGLang's CPU engine (uniprefill_sglang/cpu_engine.py, float32).
+(JSON); without CUDA that is SGLang's CPU engine (uniprefill_sglang/tools/cpu_engine.py, float32).
 
 Sweeps (``--sweep``): ``none`` dense only; ``default`` dense vs UniPrefill at the engine's
 settings (top-p 0.99 unless --engine-kwargs say otherwise); ``top_p`` / ``keep_ratio`` per
@@ -63,7 +63,7 @@ class EngineTarget:
         self.engine_kwargs = engine_kwargs
         t0 = time.perf_counter()
         if _use_cpu_engine():
-            from uniprefill_sglang.cpu_engine import make_cpu_engine
+            from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
             self.engine = make_cpu_engine(model_path, **engine_kwargs)
         else:
@@ -150,7 +150,7 @@ def _use_cpu_engine() -> bool:
 
 
 def resolve_model(model: str) -> str:
-    from uniprefill_sglang.model_zoo import MODELS, prepare_model
+    from uniprefill_sglang.tools.model_zoo import MODELS, prepare_model
 
     return prepare_model(model) if model in MODELS else model
 
@@ -436,7 +436,7 @@ def _machine() -> str:
 
 
 def parse_args(argv=None):
-    from uniprefill_sglang.eval_tasks import FORMATS, TASKS
+    from uniprefill_sglang.tools.tasks import FORMATS, RETRIEVAL_TASKS, TASKS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     tgt = ap.add_mutually_exclusive_group()
@@ -445,7 +445,8 @@ def parse_args(argv=None):
                      help="smollm2 | gemma3-270m (model_zoo) | a model folder (engine target)")
     ap.add_argument("--engine-kwargs", default="{}",
                     help='JSON of sglang.Engine kwargs, e.g. \'{"dtype": "bfloat16"}\'')
-    ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {TASKS}")
+    ap.add_argument("--tasks", default=",".join(TASKS),
+                    help=f"comma list of {TASKS + RETRIEVAL_TASKS}")
     ap.add_argument("--lengths", default="1024,2048,4096",
                     help="prompt token budgets (SmolLM2: up to 8000; its context is 8192)")
     ap.add_argument("--depths", default="0.5", help="needle depths in [0, 1], e.g. 0.1,0.5,0.9")
@@ -461,12 +462,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.base_url is None and _use_cpu_engine():
-        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
         activate_cpu_engine_env()  # before anything imports sglang
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.eval_tasks import fingerprint, make_cases
+    from uniprefill_sglang.tools.tasks import fingerprint, make_cases
 
     tasks = [t for t in args.tasks.split(",") if t]
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -192,7 +192,7 @@ def main() -> None:
     args = ap.parse_args()
     args.tp_size, args.drop_layers = 1, None
     if args.device == "cpu":
-        from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
         activate_cpu_engine_env()
     os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")

@@ -39,7 +39,7 @@ def _want_cpu_engine() -> bool:
 
 USE_CPU_ENGINE = _want_cpu_engine()
 if USE_CPU_ENGINE:
-    from uniprefill_sglang.cpu_engine import activate_cpu_engine_env
+    from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
     activate_cpu_engine_env(REPO_ROOT)
 
@@ -54,7 +54,7 @@ class EngineFactory:
         self.engines: list = []
 
     def __call__(self, model_path: str | None = None, **engine_kwargs):
-        from uniprefill_sglang.cpu_engine import make_cpu_engine
+        from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
         if not USE_CPU_ENGINE:
             pytest.skip("CPU engine tests need a machine without CUDA (or UNIPREFILL_CPU_ENGINE=1)")
@@ -81,7 +81,7 @@ class EngineFactory:
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Hugging Face folder of SmolLM2-135M-Instruct (converted once, cached; see model_zoo)."""
-    from uniprefill_sglang.model_zoo import prepare_smollm2
+    from uniprefill_sglang.tools.model_zoo import prepare_smollm2
 
     return prepare_smollm2()
 

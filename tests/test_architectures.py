@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from uniprefill_sglang.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from uniprefill_sglang.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 DECODE_48 = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from uniprefill_sglang.eval_tasks import TASKS, fingerprint, make_case, make_cases
+from uniprefill_sglang.tools.tasks import TASKS, fingerprint, make_case, make_cases
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,8 +1,9 @@
 """Fidelity: UniPrefill (top-p 0.99) agrees with dense SmolLM2 on retrieval cases dense solves.
 
-Pass-key and key-value lookup prompts of 1K-6K tokens (uniprefill_sglang/retrieval.py, generated
-locally and deterministically), greedy decoding, SGLang's CPU engine. The agreement and the keep
-ratio realised are printed and written to `$UNIPREFILL_RESULTS_DIR/fidelity.json` if set.
+Pass-key and key-value lookup prompts of 1K-6K tokens (uniprefill_sglang/tools/tasks.py,
+generated locally and deterministically), greedy decoding, SGLang's CPU engine. The agreement
+and the keep ratio realised are printed and written to `$UNIPREFILL_RESULTS_DIR/fidelity.json`
+if set.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import os
 
 import pytest
 
-from uniprefill_sglang.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
 LENGTHS = (1024, 2048, 4096, 6144)
 DEPTHS = (0.1, 0.5, 0.9)
-KINDS = ("passkey", "kv")
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 MIN_DENSE_CORRECT = 6  # fewer and the agreement figure means nothing
 
@@ -25,11 +25,11 @@ MIN_DENSE_CORRECT = 6  # fewer and the agreement figure means nothing
 def cases(smollm2_path):
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.retrieval import make_cases
+    from uniprefill_sglang.tools.tasks import RETRIEVAL_TASKS, make_cases
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    return make_cases(tokenizer, kinds=KINDS, lengths=LENGTHS, depths=DEPTHS, seeds=(0,),
-                      fmt=os.environ.get("UNIPREFILL_FIDELITY_FORMAT", "chat"))
+    return make_cases(tokenizer, tasks=RETRIEVAL_TASKS, lengths=LENGTHS, depths=DEPTHS,
+                      seeds=(0,), fmt=os.environ.get("UNIPREFILL_FIDELITY_FORMAT", "chat"))
 
 
 def _answers(model_path, cases, **engine_kwargs):

@@ -156,7 +156,7 @@ def test_cli_refuses_invalid_flags(smollm2_path, extra, message):
 
 def test_launch_server_refuses_a_bad_flag_at_start_up(smollm2_path):
     """The real `python -m sglang.launch_server` exits before loading anything."""
-    from uniprefill_sglang.cpu_engine import cpu_engine_env
+    from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
 
     cpu_env = cpu_engine_env()
     proc = subprocess.run(

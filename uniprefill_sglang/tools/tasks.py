@@ -1,31 +1,51 @@
-"""RULER-style long-context tasks, generated locally and deterministically (no downloads).
+"""Long-context tasks, generated locally and deterministically (no downloads).
 
 Every case is built for one tokenizer and fills a token budget (``target_tokens``) with a
 haystack, as long as possible without exceeding it; ``depth`` (0 = start, 1 = end) places the
-asked-for item. Tasks (``TASKS``):
+asked-for item. The RULER-style suite (``TASKS``, what ``benchmarks/eval_suite.py`` runs):
 
 * ``niah_number`` / ``niah_uuid`` / ``niah_word``: single needle ("The special magic number for
   <key> is: <value>.") in repeated noise sentences; value a 7-digit number, a UUID-like string
-  (``xxxxxxxx-xxxx-xxxx``) or a word. Correct: the value appears in the output.
+  (``xxxxxxxx-xxxx-xxxx``) or a word.
 * ``niah_multikey``: four needles with different keys (three distractors at seeded positions);
   one is asked for.
 * ``niah_multivalue``: one key, four values (first at ``depth``, the others at seeded
-  positions); all four asked for. Correct: all in the output (``recall`` keeps the fraction).
+  positions); all four asked for (``recall`` keeps the fraction found).
 * ``vt``: variable tracking, ``VAR X = 12345`` at ``depth`` then a chain of four
   ``VAR Y = VAR X`` hops at seeded later positions; asked for every variable holding the value.
-  Correct: all five names in the output.
 * ``qa``: question answering over distractor documents: short made-up "documents" about
   made-up places, one of which answers the question (at ``depth``), the rest are distractors of
   the same template about other places.
 
-Prompts are ``fmt="plain"`` (context, question, then an answer primer the model completes: what
-SmolLM2-135M-Instruct does best, see retrieval.py) or ``fmt="chat"`` (chat template, primer at
-the start of the assistant turn; needs a chat template). Token ids are the tokenizer's own
-encoding *with* its special tokens (Gemma's ``<bos>``; SmolLM2 adds none).
+Two simpler retrieval tasks (``RETRIEVAL_TASKS``, the CPU fidelity test and the demo):
+
+* ``passkey``: a 5-digit pass key hidden at ``depth`` inside the noise sentences.
+* ``kv``: a block of ``kv_pairs=4`` key-value lines (UUID-like keys, 5-digit values) hidden at
+  ``depth``, one of them asked for; ``kv_style="sentence"`` (default) writes each line as
+  ``The value of key <k> is <v>.``, ``kv_style="colon"`` as ``<k>: <v>``. A reply that also
+  names another line's value is wrong. SmolLM2-135M-Instruct (dense, fp32, 1K tokens): 4
+  sentence lines 4/6, 4 colon lines 3/6, 16 lines 1/6, a context made only of key-value lines
+  (the classic KV-retrieval task) 0/6, which is why that variant is not generated.
+
+A case is correct when every expected answer appears in the output as a whole word
+(case-insensitive) and no wrong answer does.
+
+Prompts are ``fmt="plain"`` (context, question, then an answer primer the model completes:
+what SmolLM2-135M-Instruct does best, e.g. pass key at 1K 6/6 plain, 4/6 chat), ``fmt="chat"``
+(chat template, primer at the start of the assistant turn; needs a chat template) or
+``fmt="chat_noprimer"`` (chat template, no primer). Token ids are the tokenizer's own encoding
+*with* its special tokens (Gemma's ``<bos>``; SmolLM2 adds none).
 
 Randomness comes only from ``random.Random(f"{task}:{seed}")``: the same task and seed give the
 same key, value and distractors at every length and depth (only the haystack and the position
 change), and the same tokenizer gives the same ids on every machine.
+
+Usage::
+
+    cases = make_cases(tokenizer, tasks=("passkey", "kv"), lengths=(1024, 2048))
+    out = engine.generate(input_ids=case.input_ids,
+                          sampling_params={"temperature": 0, "max_new_tokens": case.max_new_tokens})
+    case.check(out["text"])
 """
 
 from __future__ import annotations
@@ -33,9 +53,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
-
-from uniprefill_sglang.retrieval import FILLER_SENTENCES, _fit, _format, _uuid_like
+from typing import Any, Callable, Iterable, Sequence
 
 TASKS = (
     "niah_number",
@@ -46,7 +64,9 @@ TASKS = (
     "vt",
     "qa",
 )
-FORMATS = ("plain", "chat")
+RETRIEVAL_TASKS = ("passkey", "kv")
+FORMATS = ("plain", "chat", "chat_noprimer")
+KV_STYLES = ("sentence", "colon")
 
 # Answer lengths in tokens are small; these leave room for a short preamble in the output.
 MAX_NEW_TOKENS = {
@@ -57,7 +77,17 @@ MAX_NEW_TOKENS = {
     "niah_multivalue": 36,
     "vt": 28,
     "qa": 10,
+    "passkey": 12,
+    "kv": 12,
 }
+
+FILLER_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
 
 _WORDS = (
     "apple", "river", "candle", "falcon", "harbor", "meadow", "pepper", "silver", "tunnel",
@@ -87,6 +117,7 @@ class EvalCase:
     answers: list[str]  # all must appear in the output
     question: str
     max_new_tokens: int
+    wrong_answers: list[str] = field(default_factory=list)  # none may appear
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -95,7 +126,8 @@ class EvalCase:
 
     @property
     def name(self) -> str:
-        return f"{self.task}-{self.target_tokens}-d{self.depth:g}-s{self.seed}"
+        variant = f"-{self.meta['variant']}" if "variant" in self.meta else ""
+        return f"{self.task}{variant}-{self.target_tokens}-d{self.depth:g}-s{self.seed}"
 
     def recall(self, output_text: str) -> float:
         """Fraction of the expected answers found in the output."""
@@ -103,8 +135,10 @@ class EvalCase:
         return found / len(self.answers)
 
     def check(self, output_text: str) -> bool:
-        """Every expected answer appears in the output (as a whole token, case-insensitive)."""
-        return all(_contains(output_text, a) for a in self.answers)
+        """Every expected answer and no wrong one appears in the output (whole words,
+        case-insensitive)."""
+        return (all(_contains(output_text, a) for a in self.answers)
+                and not any(_contains(output_text, w) for w in self.wrong_answers))
 
 
 def _contains(text: str, answer: str) -> bool:
@@ -115,6 +149,11 @@ def _contains(text: str, answer: str) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # building blocks
+
+
+def _uuid_like(rng: random.Random) -> str:
+    h = "0123456789abcdef"
+    return "-".join("".join(rng.choice(h) for _ in range(n)) for n in (8, 4, 4))
 
 
 def _key(rng: random.Random, used: set) -> str:
@@ -291,6 +330,84 @@ def _qa(rng, depth: float):
     return build, [answer], {"place": place, "template": t, "unit_tokens": 10}
 
 
+def _passkey(rng, depth: float):
+    key = str(rng.randint(10000, 99999))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    # The classic "There is an important info hidden..." preamble made SmolLM2 answer "the pass
+    # key." at depth 0.1-0.5; naming the pass key up front works better.
+    head = ("There is an important pass key hidden inside a lot of irrelevant text. "
+            "Find it and memorize it. I will quiz you about the pass key.")
+
+    def build(n: int):
+        context = " ".join([head, *_insert(_noise(n), [(depth, needle)])])
+        return context, "What is the pass key?", "The pass key is"
+
+    return build, [key], {"needle": needle}
+
+
+def _kv_line(style: str, key: str, value: str) -> str:
+    return f"The value of key {key} is {value}." if style == "sentence" else f"{key}: {value}"
+
+
+def _kv(rng, depth: float, n_pairs: int, style: str):
+    if style not in KV_STYLES:
+        raise ValueError(f"unknown kv_style {style!r}; expected one of {KV_STYLES}")
+    if n_pairs < 1:
+        raise ValueError("kv_pairs must be >= 1")
+    keys: set = set()
+    pairs = []
+    while len(pairs) < n_pairs:
+        k = _uuid_like(rng)
+        if k not in keys:
+            keys.add(k)
+            pairs.append((k, str(rng.randint(10000, 99999))))
+    asked = rng.randrange(n_pairs)
+    key, answer = pairs[asked]
+    question = f"What is the value of key {key}?"
+    # The primer repeats the line format, so that the answer is a plain copy of the token after
+    # the matching line (what a small model's induction heads do).
+    primer = f"The value of key {key} is" if style == "sentence" else f"{key}:"
+    head = ("There is a list of keys and their values hidden inside a lot of irrelevant text. "
+            "Find it and memorize it. I will quiz you about one of the keys.")
+    block = "\n".join(_kv_line(style, k, v) for k, v in pairs)
+
+    def build(n: int):
+        fill = _noise(n)
+        pos = round(depth * n)
+        context = f"{head} {' '.join(fill[:pos])}\n{block}\n{' '.join(fill[pos:])}"
+        return context, question, primer
+
+    meta = {"variant": f"{style}{n_pairs}", "key": key, "index": asked,
+            "wrong_answers": [v for i, (_, v) in enumerate(pairs) if i != asked]}
+    return build, [answer], meta
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt text and sizing
+
+
+def _format(tokenizer, fmt: str, context: str, question: str, primer: str) -> str:
+    if fmt == "plain":
+        return f"{context}\n\n{question}\n{primer}"
+    msgs = [{"role": "user", "content": f"{context}\n\n{question}"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return text + primer if fmt == "chat" else text
+
+
+def _fit(build: Callable[[int], list[int]], target: int, hi: int) -> int:
+    """Largest n in [0, hi] with len(build(n)) <= target (build is monotone in n)."""
+    lo = 0
+    if len(build(lo)) > target:
+        raise ValueError(f"target {target} tokens is smaller than the empty prompt")
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(build(mid)) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -300,8 +417,11 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def make_case(tokenizer, task: str, target_tokens: int, depth: float = 0.5, seed: int = 0,
-              fmt: str = "plain") -> EvalCase:
-    """One case of ``task`` whose prompt is as long as possible within ``target_tokens``."""
+              fmt: str = "plain", *, kv_pairs: int = 4, kv_style: str = "sentence") -> EvalCase:
+    """One case of ``task`` whose prompt is as long as possible within ``target_tokens``.
+
+    ``kv_pairs`` and ``kv_style`` shape the ``kv`` task only (see the module docstring).
+    """
     if not 0.0 <= depth <= 1.0:
         raise ValueError("depth must be in [0, 1]")
     if fmt not in FORMATS:
@@ -317,8 +437,12 @@ def make_case(tokenizer, task: str, target_tokens: int, depth: float = 0.5, seed
         build, answers, meta = _vt(rng, depth)
     elif task == "qa":
         build, answers, meta = _qa(rng, depth)
+    elif task == "passkey":
+        build, answers, meta = _passkey(rng, depth)
+    elif task == "kv":
+        build, answers, meta = _kv(rng, depth, kv_pairs, kv_style)
     else:
-        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS + RETRIEVAL_TASKS}")
 
     def text(n: int) -> str:
         return _format(tokenizer, fmt, *build(n))
@@ -331,7 +455,7 @@ def make_case(tokenizer, task: str, target_tokens: int, depth: float = 0.5, seed
     return EvalCase(task=task, target_tokens=target_tokens, depth=depth, seed=seed, fmt=fmt,
                     prompt=prompt, input_ids=encode(tokenizer, prompt), answers=answers,
                     question=question, max_new_tokens=MAX_NEW_TOKENS[task],
-                    meta={**meta, "n_units": n})
+                    wrong_answers=meta.pop("wrong_answers", []), meta={**meta, "n_units": n})
 
 
 def make_cases(tokenizer, tasks: Iterable[str] = TASKS,

@@ -62,7 +62,7 @@ def find_stub_dir(repo_root: str | os.PathLike | None = None) -> Path:
 
     Looked up, in order: ``repo_root/tests/stubs`` if ``repo_root`` is given; env
     ``UNIPREFILL_SGL_KERNEL_STUB_DIR``; ``$UNIPREFILL_REPO_ROOT/tests/stubs``; ``tests/stubs``
-    next to this package's parent folder (a source checkout or an editable install).
+    next to the ``uniprefill_sglang`` folder (a source checkout or an editable install).
     """
     candidates: list[tuple[str, Path]] = []
     if repo_root is not None:
@@ -75,7 +75,7 @@ def find_stub_dir(repo_root: str | os.PathLike | None = None) -> Path:
                 (REPO_ROOT_ENV_VAR, Path(os.environ[REPO_ROOT_ENV_VAR]) / "tests" / "stubs")
             )
         candidates.append(
-            ("package checkout", Path(__file__).resolve().parent.parent / "tests" / "stubs")
+            ("package checkout", Path(__file__).resolve().parents[2] / "tests" / "stubs")
         )
     for _, c in candidates:
         if (c / "sgl_kernel" / "__init__.py").is_file():
@@ -128,8 +128,8 @@ def _check_process_state() -> None:
     sk = sys.modules.get("sgl_kernel")
     if sk is not None and not getattr(sk, "IS_UNIPREFILL_TEST_STUB", False):
         raise RuntimeError(
-            "a real sgl_kernel is already imported in this process; activate the CPU engine "
-            "env (uniprefill_sglang.cpu_engine.activate_cpu_engine_env) before importing sglang"
+            "a real sgl_kernel is already imported in this process; activate the CPU engine env "
+            "(uniprefill_sglang.tools.cpu_engine.activate_cpu_engine_env) before importing sglang"
         )
     common = sys.modules.get("sglang.srt.utils.common")
     if common is not None and not common.is_cpu():
