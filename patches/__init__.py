@@ -11,6 +11,7 @@ from uniprefill_sglang.patches import (
     cuda_graphs,
     forward_batch,
     logits,
+    metrics,
     model_runner,
     sampling_params,
     scheduler,
@@ -18,7 +19,7 @@ from uniprefill_sglang.patches import (
 )
 
 _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, attention_backends,
-            scheduler, cuda_graphs)
+            scheduler, cuda_graphs, metrics)
 
 
 def register_all() -> None:
