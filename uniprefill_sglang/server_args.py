@@ -30,6 +30,10 @@ from uniprefill_sglang.config import (
 logger = logging.getLogger(__name__)
 
 
+# Block-scaled KV caches (packed FP4 or MX values with separate scales).
+_UNSUPPORTED_KV_CACHE_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16", "fp4_e2m1")
+
+
 def _on_cuda(device) -> bool:
     if device is not None:
         return device == "cuda"
@@ -90,8 +94,12 @@ class UniPrefillServerArgs(ServerArgs):
             elif self.attention_backend is None and _on_cuda(self.device):
                 # SGLang would pick fa3 on Hopper; UniPrefill's GPU default is FlashInfer.
                 self.attention_backend = "flashinfer"
+            # Refuse unservable modes given on the command line before SGLang resolves them ...
+            self._check_uniprefill_modes()
         super().__post_init__()
         if self.enable_uniprefill:
+            # ... and again for what SGLang's resolution chose (a page size, a backend).
+            self._check_uniprefill_modes()
             self._check_uniprefill_backend()
             self._check_uniprefill_model()
 
@@ -107,7 +115,8 @@ class UniPrefillServerArgs(ServerArgs):
             max_parked_tokens=self.uniprefill_max_parked_tokens,
         )
 
-    def _check_uniprefill_backend(self):
+    def _check_uniprefill_modes(self):
+        """Serving modes the plugin cannot serve correctly: refused, never served wrong."""
         if self.speculative_algorithm is not None:
             raise UniPrefillConfigError(
                 "--enable-uniprefill cannot be combined with --speculative-algorithm "
@@ -129,6 +138,32 @@ class UniPrefillServerArgs(ServerArgs):
                     f"--enable-uniprefill does not support {flag} > 1: a rank holding part of a "
                     "prompt cannot score it with the prompt's last queries"
                 )
+        if self.disaggregation_mode not in (None, "null"):
+            raise UniPrefillConfigError(
+                "--enable-uniprefill cannot be combined with --disaggregation-mode "
+                f"{self.disaggregation_mode}: after a drop the later layers hold KV for the "
+                "survivors only, and which slots are valid per layer is known to the prefill "
+                "server alone; the KV transfer to a decode server assumes every layer complete"
+            )
+        if self.page_size not in (None, 1):
+            raise UniPrefillConfigError(
+                f"--enable-uniprefill needs --page-size 1, got {self.page_size}: a drop frees and "
+                "re-points single KV slots, and the attention adapters address single slots"
+            )
+        if self.enable_hierarchical_cache:
+            raise UniPrefillConfigError(
+                "--enable-uniprefill cannot be combined with --enable-hierarchical-cache: the "
+                "host copy of a cached prefix does not carry which of its slots hold KV at each "
+                "layer after a drop, so a prefix loaded back would be read as complete"
+            )
+        if self.kv_cache_dtype in _UNSUPPORTED_KV_CACHE_DTYPES:
+            raise UniPrefillConfigError(
+                f"--enable-uniprefill does not support --kv-cache-dtype {self.kv_cache_dtype}: "
+                "block-scaled KV caches store packed values and scales that the drop's scoring "
+                "cannot read as keys (supported: auto, bf16/bfloat16, fp8_e4m3, fp8_e5m2)"
+            )
+
+    def _check_uniprefill_backend(self):
         for flag, value in (
             ("--attention-backend", self.attention_backend),
             ("--prefill-attention-backend", self.prefill_attention_backend),

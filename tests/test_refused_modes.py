@@ -1,0 +1,105 @@
+"""Serving modes UniPrefill cannot serve correctly are refused at start-up, naming the flag.
+
+Each mode is checked twice: through `prepare_server_args` (what `python -m sglang.launch_server`
+calls first; fast) and by starting the real launcher with the mode and reading its output (it
+must exit non-zero with the message, before loading the model). Without `--enable-uniprefill`
+the same flags are SGLang's business: the plugin does not refuse them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from uniprefill_sglang.config import UniPrefillConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# (id, extra flags, what the message must say: the flag and the value where there is one)
+REFUSED = [
+    ("disaggregation-prefill", ["--disaggregation-mode", "prefill"],
+     "cannot be combined with --disaggregation-mode prefill"),
+    ("disaggregation-decode", ["--disaggregation-mode", "decode"],
+     "cannot be combined with --disaggregation-mode decode"),
+    ("speculative", ["--speculative-algorithm", "EAGLE"],
+     "cannot be combined with --speculative-algorithm EAGLE"),
+    ("dp-attention", ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+     "cannot be combined with --enable-dp-attention"),
+    ("pipeline", ["--pp-size", "2"], "does not support --pp-size > 1"),
+    ("context-parallel", ["--attn-cp-size", "2"], "does not support --attn-cp-size > 1"),
+    ("decode-context-parallel", ["--dcp-size", "2"], "does not support --dcp-size > 1"),
+    ("page-size", ["--page-size", "16"], "needs --page-size 1, got 16"),
+    ("hierarchical-cache", ["--enable-hierarchical-cache"],
+     "cannot be combined with --enable-hierarchical-cache"),
+    ("fp4-kv-cache", ["--kv-cache-dtype", "nvfp4"], "does not support --kv-cache-dtype nvfp4"),
+    ("attention-backend", ["--attention-backend", "flex_attention"],
+     "does not support --attention-backend flex_attention"),
+]
+IDS = [r[0] for r in REFUSED]
+
+
+def _prepare(argv):
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # what `python -m sglang.launch_server` does first
+    from sglang.srt import server_args as sa
+
+    return sa.prepare_server_args(argv)
+
+
+def _base(model_path: str) -> list[str]:
+    return ["--model-path", model_path, "--device", "cpu", "--enable-uniprefill"]
+
+
+@pytest.mark.parametrize("extra, message", [r[1:] for r in REFUSED], ids=IDS)
+def test_server_args_refuse_the_mode(smollm2_path, extra, message):
+    with pytest.raises(UniPrefillConfigError, match=re.escape(message)):
+        _prepare([*_base(smollm2_path), *extra])
+
+
+@pytest.mark.parametrize("extra", [["--page-size", "16"], ["--disaggregation-mode", "prefill"],
+                                   ["--enable-hierarchical-cache"]],
+                         ids=["page-size", "disaggregation", "hierarchical-cache"])
+def test_the_plugin_refuses_nothing_without_enable_uniprefill(smollm2_path, extra):
+    """Inert unless asked: SGLang may accept or refuse these itself, but not with our message."""
+    try:
+        _prepare(["--model-path", smollm2_path, "--device", "cpu", *extra])
+    except UniPrefillConfigError as e:
+        pytest.fail(f"refused by UniPrefill without --enable-uniprefill: {e}")
+    except Exception as e:  # SGLang's own objection (e.g. a CPU without the mode's backend)
+        assert "--enable-uniprefill" not in str(e), e
+
+
+@pytest.fixture(scope="module")
+def launcher_runs(smollm2_path):
+    """Start `python -m sglang.launch_server` once per refused mode (4 at a time)."""
+    from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
+
+    env = {**os.environ, **cpu_engine_env(REPO_ROOT)}
+
+    def run(extra):
+        proc = subprocess.run(
+            [sys.executable, "-m", "sglang.launch_server", *_base(smollm2_path),
+             "--host", "127.0.0.1", "--port", "1", *extra],
+            env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, [r[1] for r in REFUSED]))
+    return dict(zip(IDS, results))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mode_id, message", [(r[0], r[2]) for r in REFUSED], ids=IDS)
+def test_launch_server_exits_with_the_message(launcher_runs, mode_id, message):
+    returncode, output = launcher_runs[mode_id]
+    assert returncode != 0, output[-3000:]
+    assert "UniPrefillConfigError" in output and message in output, output[-3000:]
+    # Refused during argument parsing: no model weights were loaded.
+    assert "Load weight begin" not in output, output[-3000:]
