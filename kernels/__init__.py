@@ -15,10 +15,11 @@ at every call.  The Triton modules are imported lazily, on first use.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
+
+from uniprefill_sglang import environ
 
 from .reference import (
     RATIO_EPS,
@@ -48,15 +49,11 @@ __all__ = [
 ]
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def use_triton(device: torch.device) -> bool:
     """Whether the Triton path is used for tensors on ``device``."""
-    if _env_flag("UNIPREFILL_FORCE_REFERENCE"):
+    if environ.FORCE_REFERENCE.get():
         return False
-    if _env_flag("UNIPREFILL_FORCE_TRITON"):
+    if environ.FORCE_TRITON.get():
         return True
     return device.type == "cuda"
 

@@ -13,13 +13,14 @@ from uniprefill_sglang.patches import (
     logits,
     metrics,
     model_runner,
+    radix_cache,
     sampling_params,
     scheduler,
     server_args,
 )
 
 _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, attention_backends,
-            scheduler, cuda_graphs, metrics)
+            scheduler, radix_cache, cuda_graphs, metrics)
 
 
 def register_all() -> None:

@@ -32,7 +32,7 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
     for b, decision in enumerate(ctx.plan.decisions):
         entry = {
             "enabled": decision.enabled,
-            "reason": decision.reason,
+            "reason": ctx.reason(b),
             "kept_tokens": [stage_lens[b] for stage_lens in ctx.kept],
         }
         if ctx.kept_digest:  # UNIPREFILL_REPORT_KEPT=1

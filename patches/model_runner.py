@@ -2,8 +2,11 @@
 
 * `init_attention_backends` (AFTER): the model, KV pool and backends exist now (and no CUDA graph
   has been captured yet): build the UniPrefill runtime and wrap the model's layers.
-* `_forward_raw` (AROUND): open the per-forward drop context around every forward, and keep
-  a batch that drops tokens off the prefill CUDA graph (its shapes change mid-forward).
+* `_forward_raw` (AROUND): open the per-forward drop context around every forward. A forward
+  in which UniPrefill acted and that raised runs once more without it (an extend: every request
+  dense, each reporting why in meta_info; a decode: with its KV lengths re-read from the device),
+  so an error in the plugin's code never takes the server down. If that run fails too, the error
+  is SGLang's and propagates as it would without the plugin.
 """
 
 import logging
@@ -70,9 +73,34 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
         return original(model_runner, forward_batch, *args, **kwargs)
     ctx = runtime.begin_forward(forward_batch)
     try:
-        return original(model_runner, forward_batch, *args, **kwargs)
-    finally:
-        runtime.end_forward(ctx)
+        result = original(model_runner, forward_batch, *args, **kwargs)
+    except Exception as error:
+        if not _uniprefill_acted(ctx):
+            runtime.end_forward(ctx)
+            raise
+        logger.exception("UniPrefill: a %s forward failed in UniPrefill's code; running it again "
+                         "without it", "prefill" if ctx.is_extend else "decode")
+        runtime.abandon_forward(ctx)
+        if ctx.is_extend:
+            forward_batch.uniprefill_plan = ctx.plan.all_dense(
+                f"UniPrefill error, ran dense: {type(error).__name__}: {error}")
+        else:
+            for row in runtime.host_rows(forward_batch):
+                runtime.kv_gaps.invalidate(row)
+        ctx = runtime.begin_forward(forward_batch)
+        try:
+            return original(model_runner, forward_batch, *args, **kwargs)
+        finally:
+            runtime.end_forward(ctx)
+    runtime.end_forward(ctx)
+    return result
+
+
+def _uniprefill_acted(ctx) -> bool:
+    """Did this forward drop, park, or read a per-stage view (so its failure may be ours)?"""
+    if ctx.is_extend and ctx.plan is not None and ctx.plan.any_enabled:
+        return True
+    return bool(ctx.sparse) and any(ctx.sparse)
 
 
 def register() -> None:

@@ -26,7 +26,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "req_slots": int(scheduler.req_to_token_pool.size),
         "drop_layers": list(runtime.stages.drop_layers),
         "idle": bool(scheduler.is_fully_idle()),
-        "parked_requests": len(runtime.parked),
+        "parked_requests": len(runtime.parking),
         "mixed_forwards": runtime.mixed_forwards,
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
@@ -45,7 +45,7 @@ def _forget_aborted_chunk(original, scheduler, *args, **kwargs):
     result = original(scheduler, *args, **kwargs)
     runtime = get_runtime()
     if req is not None and runtime is not None and scheduler.chunked_req is not req:
-        runtime.forget(req.rid)
+        runtime.parking.forget(req.rid)
     return result
 
 

@@ -120,12 +120,16 @@ def test_compact_one_view_keeps_order_and_refuses_a_short_buffer():
         compact(slots, bounds, keep, out=torch.empty(5, dtype=torch.int64))
 
 
-def test_kv_gaps_reject_negative_gaps():
+def test_kv_gaps_reject_negative_gaps_and_track_stale_rows():
     gaps = KVGaps(4, 3)
     gaps.set(1, [0, 2, 5])
     assert gaps.get(1) == (0, 2, 5) and gaps.get(0) == (0, 0, 0)
-    with pytest.raises(RuntimeError, match="negative"):
+    with pytest.raises(ValueError, match="negative"):
         gaps.set(2, [1, -1, 0])
+    gaps.invalidate(1)
+    assert gaps.is_stale(1) and not gaps.is_stale(2)
+    gaps.set(1, [0, 0, 0])  # a fresh count clears it
+    assert not gaps.is_stale(1) and gaps.get(1) == (0, 0, 0)
 
 
 def test_check_kv_lens_names_both_sides_on_a_mismatch():

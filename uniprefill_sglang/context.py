@@ -10,11 +10,15 @@ layer's attention).
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from uniprefill_sglang.request_plan import BatchPlan
+
+
+class UniPrefillError(RuntimeError):
+    """UniPrefill's own bookkeeping found an inconsistency (the forward re-runs dense)."""
 
 
 @dataclasses.dataclass
@@ -48,10 +52,25 @@ class DropContext:
     extra_hidden: Optional[torch.Tensor] = None
     extra_residual: Optional[torch.Tensor] = None
     to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
-    park_sink: Optional[object] = None  # callable(rid, hidden_rows, residual_rows)
+    park_sink: Optional[Callable] = None  # (rid, hidden_rows, residual_rows) -> None
     ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
     parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking this step
     finished_parking: List[str] = dataclasses.field(default_factory=list)
+    # Per request: why it ran dense or dropped less than its decision said (set by the drop).
+    notes: Dict[int, str] = dataclasses.field(default_factory=dict)
+    # Attention adapters' per-forward views (planned once, run by every layer of a stage).
+    views: Dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    def note(self, b: int, reason: str) -> None:
+        decided = self.plan.decisions[b].reason if self.plan is not None else None
+        earlier = self.notes.get(b, decided)
+        self.notes[b] = reason if earlier is None else f"{earlier}; {reason}"
+
+    def reason(self, b: int) -> Optional[str]:
+        """What meta_info reports for request b: its decision's reason or the drop's note."""
+        if b in self.notes:
+            return self.notes[b]
+        return self.plan.decisions[b].reason if self.plan is not None else None
 
     @property
     def lens_tensor(self) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from uniprefill_sglang.context import UniPrefillError
+
 
 class LayerStages:
     """The static layer -> stage table of a drop schedule."""
@@ -87,18 +89,28 @@ class KVGaps:
 
     Set when an extend of the row ends (from the host-known kept counts, runtime.py); decode
     tokens have KV in every layer, so a row's gaps hold until its next extend, and a stage's KV
-    length in decode is `seq_len - gap`.
+    length in decode is `seq_len - gap`. A row is stale when the host cannot know its gaps (the
+    radix cache pointed it at another request's slots, or an inconsistency was caught); the next
+    decode reads them back from the device.
     """
 
     def __init__(self, max_reqs: int, num_drops: int):
         self.none = (0,) * num_drops
         self.by_row: List[Tuple[int, ...]] = [self.none] * max_reqs
+        self.stale: set = set()
 
     def set(self, row: int, gaps: Sequence[int]) -> None:
         gaps = tuple(int(g) for g in gaps)
         if any(g < 0 for g in gaps):
-            raise RuntimeError(f"UniPrefill: negative KV gap {gaps} for request row {row}")
+            raise ValueError(f"UniPrefill: negative KV gap {gaps} for request row {row}")
         self.by_row[row] = gaps if any(gaps) else self.none
+        self.stale.discard(row)
+
+    def invalidate(self, row: int) -> None:
+        self.stale.add(row)
+
+    def is_stale(self, row: int) -> bool:
+        return row in self.stale
 
     def get(self, row: int) -> Tuple[int, ...]:
         return self.by_row[row]
@@ -109,7 +121,7 @@ def check_kv_lens(host: torch.Tensor, device_counts: torch.Tensor, what: str) ->
     the KV the view (or the slot map) really holds."""
     got = device_counts.cpu().to(torch.int32)
     if not torch.equal(host.to(torch.int32), got):
-        raise RuntimeError(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
+        raise UniPrefillError(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
                            f"device {got.tolist()}")
 
 

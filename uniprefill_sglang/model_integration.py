@@ -103,7 +103,7 @@ def install(model: nn.Module, runtime) -> bool:
                 _wrap_post_attention_norm(norm)
                 if attn.layer_id == runtime.stages.drop_layers[0]:
                     # Parking needs the state right after the drop layer's attention.
-                    runtime.can_park = True
+                    runtime.parking.enabled = True
     logger.info("UniPrefill: drop layers %s installed on %d decoder layers",
                 sorted(drop_layers), len(layers))
     return True

@@ -39,12 +39,13 @@ def log_fallback_once(reason: str) -> None:
         logger.info("UniPrefill: running dense (%s); logged once per kind", reason)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RequestDecision:
     enabled: bool
     top_p: float
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: use top-p
-    reason: Optional[str] = None  # why the request runs dense (or drops less) this step
+    reason: Optional[str] = None  # why the request runs dense this step (the drop may add a
+    # note, e.g. too few tokens to score: DropContext.note)
     # A non-final chunk whose rows stop at the first drop layer and wait there for the final
     # chunk (runtime.py decides whether the parked state fits).
     park: bool = False
@@ -58,9 +59,15 @@ class RequestDecision:
         return self.keep_ratio[min(drop_index, len(self.keep_ratio) - 1)]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BatchPlan:
     decisions: List[RequestDecision]
+
+    def all_dense(self, reason: str) -> "BatchPlan":
+        """The same batch with every request dense (a forward that failed runs again)."""
+        return BatchPlan([dataclasses.replace(d, enabled=False, park=False,
+                                              reason=d.reason if d.reason == "decode" else reason)
+                          for d in self.decisions])
 
     @property
     def any_enabled(self) -> bool:

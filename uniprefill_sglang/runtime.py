@@ -1,26 +1,28 @@
-"""Process-wide UniPrefill state of one model runner, and the method's per-forward steps.
+"""Process-wide UniPrefill state of one model runner, and the method's steps in a forward.
 
 `UniPrefillRuntime` is created when the model runner has built its model and KV pool
-(patches/model_runner.py). Per forward it opens a `DropContext`, performs the drop at each drop
-layer (score with the last queries -> select blocks -> shrink the context -> mark dropped slots),
-and closes the context.
+(patches/model_runner.py). Per forward it opens a `DropContext`; at each drop layer it gathers
+the candidates (selection.py picks the survivors), shrinks the context to them and records which
+KV slots the later layers will not write; at the end it records, per request, the KV each stage
+lacks (the host mirror decode plans with).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from uniprefill_sglang import kernels
+from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
-from uniprefill_sglang.context import DropContext, set_current, to_device
+from uniprefill_sglang.context import DropContext, UniPrefillError, set_current, to_device
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, SlotStages, check_kv_lens, \
     gather_seq_slots
-from uniprefill_sglang.request_plan import is_prefill_mode, log_fallback_once
-from uniprefill_sglang.tp_agreement import check_enabled
+from uniprefill_sglang.parking import ParkingLot
+from uniprefill_sglang.request_plan import is_prefill_mode
+from uniprefill_sglang.selection import DropCandidates, SelectionRule, select_survivors
 
 logger = logging.getLogger(__name__)
 
@@ -36,33 +38,39 @@ def set_runtime(runtime: Optional["UniPrefillRuntime"]) -> None:
     _runtime = runtime
 
 
+@dataclasses.dataclass
+class JoiningRows:
+    """Parked rows of earlier chunks rejoining their requests at the first drop; they are
+    numbered after the step's own rows (row `total + i`)."""
+    positions: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    hidden: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    residual: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    request: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    count: int = 0
+
+
 class UniPrefillRuntime:
     def __init__(self, config: UniPrefillConfig, stages: LayerStages, req_to_token_pool,
                  token_to_kv_pool, device, tp_agreement=None):
         self.config = config
         self.stages = stages
+        self.rule = SelectionRule(config.block_size, config.sink_tokens, config.last_queries)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         # TPScoreAgreement when attention heads are split over ranks (tp_agreement.py).
         self.tp_agreement = tp_agreement
-        self.check_tp = tp_agreement is not None and check_enabled()
-        # Debug: report a fingerprint of each request's kept positions per stage, so runs can
-        # be compared token for token (TP=1 vs TP=2); one host sync per drop.
-        self.report_kept_positions = os.environ.get("UNIPREFILL_REPORT_KEPT", "0") == "1"
-        # Debug: check the host-side KV lengths against the device at every use (one sync each).
-        self.check_kv_lens = os.environ.get("UNIPREFILL_CHECK_KV_LENS", "0") == "1"
+        self.check_tp = tp_agreement is not None and environ.CHECK_TP.get()
+        self.report_kept_positions = environ.REPORT_KEPT.get()
+        self.check_kv_lens = environ.CHECK_KV_LENS.get()
+        self.test_fault = environ.TEST_FAULT.get()
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, stages.num_drops, device)
-        # Host mirror of the KV each request lacks per stage: decode steps read their sparsity
-        # and per-stage KV lengths from it without a device sync.
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
-        # Chunked prefill: rid -> ParkedRows; rids whose prompt exceeds the parking budget.
-        self.parked: dict = {}
-        self.refused_parking: set = set()
-        self.can_park = False  # set once the model integration can park at the first drop
-        self.mixed_forwards = 0  # prefill forwards that carried decode rows (observability)
-        # Prompt tokens that reached a drop with UniPrefill on, and how many of them were left
-        # after the last drop (cumulative; the keep ratio a server realised, e.g. under load).
+        self.parking = ParkingLot(config.max_parked_tokens)
+        # Observability: prefill forwards that carried decode rows; prompt tokens that reached
+        # a drop with UniPrefill on, and how many were left after the last drop.
+        self.mixed_forwards = 0
         self.scored_tokens = 0
         self.kept_tokens = 0
 
@@ -71,25 +79,24 @@ class UniPrefillRuntime:
         return self.stages.num_drops > 0
 
     # ---- forward lifecycle -------------------------------------------------------------
-    def begin_forward(self, forward_batch) -> DropContext:
-        fb = forward_batch
-        mode = fb.forward_mode
+    def begin_forward(self, fb) -> DropContext:
         self.slots.mark_written(fb.out_cache_loc)
         plan = getattr(fb, "uniprefill_plan", None)
-        is_extend = is_prefill_mode(mode) and fb.extend_seq_lens_cpu is not None
+        is_extend = is_prefill_mode(fb.forward_mode) and fb.extend_seq_lens_cpu is not None
         ctx = DropContext(plan=plan, forward_batch=fb, is_extend=is_extend)
         if is_extend:
             if plan is not None and any(d.reason == "decode" for d in plan.decisions):
                 self.mixed_forwards += 1
-            ctx.positions = fb.positions
-            ctx.out_cache_loc = fb.out_cache_loc
+            ctx.positions, ctx.out_cache_loc = fb.positions, fb.out_cache_loc
             ctx.lens = list(fb.extend_seq_lens_cpu)
-            ctx.fixed_lens = list(fb.extend_prefix_lens_cpu or [0] * len(ctx.lens))
+            ctx.fixed_lens = _prefix_lens(fb)
             ctx.kept.append(list(ctx.lens))
-            ctx.prefix_valid = self._prefix_valid(fb)
-            ctx.sparse = [valid[-1] < plen for valid, plen in zip(ctx.prefix_valid, ctx.fixed_lens)]
-        elif mode.is_decode() and self.has_schedule:
-            ctx.kv_gaps = [self.kv_gaps.get(r) for r in self._host_rows(fb)]
+            ctx.prefix_valid = self._prefix_valid(fb, ctx.fixed_lens)
+            ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
+        elif fb.forward_mode.is_decode() and self.has_schedule:
+            rows = self.host_rows(fb)
+            self._refresh_stale_gaps(fb, rows)
+            ctx.kv_gaps = [self.kv_gaps.get(r) for r in rows]
             ctx.sparse = [any(g) for g in ctx.kv_gaps]
             if self.check_kv_lens and any(ctx.sparse):
                 self._check_decode_gaps(fb, ctx.kv_gaps)
@@ -101,26 +108,66 @@ class UniPrefillRuntime:
         for slots in ctx.ghost_slots:  # computed past the first drop on a partial view
             self.slots.mark_dropped(slots, 0)
         for rid in ctx.finished_parking:
-            self.forget(rid)
+            self.parking.forget(rid)
         if ctx.is_extend and ctx.plan is not None and len(ctx.kept) > 1:
-            self._count_kept(ctx)
+            for b, d in enumerate(ctx.plan.decisions):  # requests through every drop
+                if d.enabled and b not in ctx.parked_now:
+                    self.scored_tokens += ctx.kept[0][b]
+                    self.kept_tokens += ctx.kept[-1][b]
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
+
+    def abandon_forward(self, ctx: DropContext) -> None:
+        """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
+        run again dense. Its new slots are reset when the new forward begins; requests whose
+        parked rows it consumed or parked give parking up (their earlier chunks keep stage-0
+        KV only, a sparse prefix the views handle)."""
+        set_current(None)
+        rows = self.host_rows(ctx.forward_batch)
+        req_to_token = self.req_to_token_pool.req_to_token
+        for b, d in enumerate(ctx.plan.decisions if ctx.plan else []):
+            parked = self.parking.get(d.rid)
+            if parked is not None:
+                self.slots.mark_dropped(
+                    req_to_token[rows[b], parked.start_pos:parked.start_pos + parked.count], 0)
+                self.parking.forget(d.rid)
+                self.parking.refused.add(d.rid)
 
     def _record_gaps(self, ctx: DropContext) -> None:
         """After an extend: per request, the KV each stage after the first lacks, from the
         host-known counts (valid prefix + rows that entered the stage; a parking chunk's one
         row past the first drop is marked dropped at end_forward, so it does not count)."""
         fb = ctx.forward_batch
-        prefix_lens = fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu)
-        for b, row in enumerate(self._host_rows(fb)):
+        prefix_lens = _prefix_lens(fb)
+        for b, row in enumerate(self.host_rows(fb)):
             seq_len = prefix_lens[b] + fb.extend_seq_lens_cpu[b]
             ghost = 1 if b in ctx.parked_now else 0
-            gaps = []
-            for s in range(1, self.stages.num_drops + 1):
-                entered = ctx.kept[min(s, len(ctx.kept) - 1)][b] - ghost
-                gaps.append(seq_len - ctx.prefix_valid[b][s] - entered)
-            self.kv_gaps.set(row, gaps)
+            gaps = [seq_len - ctx.prefix_valid[b][s] - (ctx.kept[min(s, len(ctx.kept) - 1)][b]
+                                                        - ghost)
+                    for s in range(1, self.stages.num_drops + 1)]
+            if self.test_fault == "kv_gaps":
+                gaps = [g - 1 for g in gaps]
+            if any(g < 0 for g in gaps):
+                # An inconsistent host mirror must not take the server down: the device's slot
+                # map is the truth, read back before the row's next decode.
+                logger.error("UniPrefill: negative KV gaps %s for request row %d; re-reading "
+                             "them from the device", gaps, row)
+                self.kv_gaps.invalidate(row)
+            else:
+                self.kv_gaps.set(row, gaps)
+
+    def _refresh_stale_gaps(self, fb, rows: list) -> None:
+        """Rows whose host gaps are unknown (an inconsistency, or the radix cache swapped their
+        slots for shared ones): recount them from the device slot map (one sync)."""
+        stale = [b for b, r in enumerate(rows) if self.kv_gaps.is_stale(r)]
+        if not stale:
+            return
+        idx = to_device(stale, torch.int64, fb.req_pool_indices.device)
+        seq_lens = fb.seq_lens_cpu[stale].to(torch.int64)
+        valid = self._seq_valid_counts(fb.req_pool_indices[idx], fb.seq_lens[idx],
+                                       int(seq_lens.sum())).cpu()
+        for i, b in enumerate(stale):
+            self.kv_gaps.set(rows[b], (seq_lens[i] - valid[i, 1:]).tolist())
 
     def _seq_valid_counts(self, req_pool_indices, seq_lens, n: int) -> torch.Tensor:
         """[bs, D + 1] on the device: per request, how many slots of positions [0, seq_len)
@@ -130,266 +177,223 @@ class UniPrefillRuntime:
 
     def _check_decode_gaps(self, fb, gaps) -> None:
         """Debug: the host gaps of a decode batch agree with the device's slot stages."""
-        bs = len(gaps)
-        seq_lens = fb.seq_lens_cpu[:bs].to(torch.int32)
-        device = self._seq_valid_counts(fb.req_pool_indices[:bs], fb.seq_lens[:bs],
+        seq_lens = fb.seq_lens_cpu[:len(gaps)].to(torch.int32)
+        device = self._seq_valid_counts(fb.req_pool_indices[:len(gaps)], fb.seq_lens[:len(gaps)],
                                         int(seq_lens.sum()))[:, 1:]
         host = seq_lens.unsqueeze(1) - torch.tensor(gaps, dtype=torch.int32)
         check_kv_lens(host, device, "decode, valid KV per request and stage from the host gaps")
 
-    def _count_kept(self, ctx: DropContext) -> None:
-        """Count the requests that went through every drop (not the chunks that parked)."""
-        for b, d in enumerate(ctx.plan.decisions):
-            if d.enabled and not (d.park and d.rid in self.parked):
-                self.scored_tokens += ctx.kept[0][b]
-                self.kept_tokens += ctx.kept[-1][b]
-
     @staticmethod
-    def _host_rows(fb) -> list:
+    def host_rows(fb) -> list:
         """The batch's req-pool rows on the host (attached by the ForwardBatch hook)."""
         rows = getattr(fb, "uniprefill_req_rows", None)
         if rows is None or len(rows) != fb.batch_size:
             rows = fb.req_pool_indices.tolist()
         return rows
 
-    def _prefix_valid(self, fb) -> list:
+    def _prefix_valid(self, fb, prefix_lens: list) -> list:
         """Per request, per stage 0..D: how many slots of its cached prefix hold KV for that
-        stage (one device read per batch with a prefix; the whole prefix when nothing is
-        dropped)."""
-        prefix_lens = fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu)
+        stage (one device read per batch with a prefix)."""
         valid = [[plen] * (self.stages.num_drops + 1) for plen in prefix_lens]
         with_prefix = [b for b, plen in enumerate(prefix_lens) if plen > 0]
         if not self.has_schedule or not with_prefix:
             return valid
         device = fb.req_pool_indices.device
         lens = [prefix_lens[b] for b in with_prefix]
-        valid_counts = self._seq_valid_counts(
+        counts = self._seq_valid_counts(
             fb.req_pool_indices[to_device(with_prefix, torch.int64, device)],
             to_device(lens, torch.int64, device), sum(lens)).tolist()
-        for b, counts in zip(with_prefix, valid_counts):
-            valid[b] = counts
+        for b, c in zip(with_prefix, counts):
+            valid[b] = c
         return valid
-
-    # ---- chunked prefill: parked rows ---------------------------------------------------
-    def _park(self, rid: str, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        self.parked[rid].append(hidden, residual)
-
-    def forget(self, rid: str) -> None:
-        """Drop a request's parked state (finished, aborted)."""
-        self.parked.pop(rid, None)
-        self.refused_parking.discard(rid)
-
-    def _may_park(self, decision, prefix_len: int) -> bool:
-        rid = decision.rid
-        if rid in self.parked:
-            return True
-        if rid in self.refused_parking or not self.can_park:
-            return False
-        # First chunk of this request: does the rest of the prompt fit the parking budget?
-        if decision.prompt_len - prefix_len > self.config.max_parked_tokens:
-            self.refused_parking.add(rid)
-            log_fallback_once("prompt longer than --uniprefill-max-parked-tokens: earlier "
-                              "chunks run dense, the final chunk drops among its own tokens")
-            return False
-        # Only one chunked request is in flight in SGLang's scheduler; anything else parked is
-        # left over from an abort that bypassed the hook.
-        for stale in [r for r in self.parked if r != rid]:
-            self.forget(stale)
-        self.parked[rid] = ParkedRows(start_pos=prefix_len)
-        return True
 
     # ---- the drop ----------------------------------------------------------------------
     def drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
-        self._drop(ctx, layer, q)
+        """At a drop layer, after its attention: keep the top blocks of each selecting request.
+
+        At the first drop layer this also parks non-final chunks (their rows stop here but the
+        last, which carries the logits SGLang expects) and lets a final chunk's parked rows
+        rejoin as candidates scored by the prompt's true last queries."""
+        if self.test_fault == "drop":
+            raise UniPrefillError("test fault at a drop layer (UNIPREFILL_TEST_FAULT=drop)")
+        drop_index = self.stages.drop_index[layer.layer_id]
+        q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
+        total = ctx.positions.shape[0]
+        cands, selecting, joining, parking = self._gather_candidates(ctx, layer, q, drop_index)
+        if not selecting and not parking:
+            ctx.kept.append(list(ctx.lens))
+            return
+        rows_per_request = list(ctx.lens)
+        keep = torch.ones(total + joining.count, dtype=torch.bool, device=q.device)
+        keep[total:] = False
+        stage = self.stages.stage(layer.layer_id)
+        if selecting:
+            self._select(ctx, layer, cands, selecting, keep, total, stage)
+        for b, seg in parking:
+            self._park(ctx, b, seg, q, keep, stage)
+        ctx.kept.append(list(ctx.lens))
+        self._compact(ctx, keep, joining, rows_per_request)
         if self.report_kept_positions:
             ctx.kept_digest.append(position_digest(ctx))
         if self.check_kv_lens:
-            self._check_extend_lens(ctx, self.stages.drop_index[layer.layer_id] + 1)
+            self._check_extend_lens(ctx, stage + 1)
+
+    def _gather_candidates(self, ctx, layer, q, drop_index):
+        """Per request: park it, skip it, or gather its queries and keys for the selection.
+        Returns (DropCandidates, [(b, candidate rows, parked rows joining)], JoiningRows,
+        [(b, rows to park)])."""
+        stage = self.stages.stage(layer.layer_id)
+        first_drop = drop_index == 0
+        fb, device = ctx.forward_batch, q.device
+        req_rows = self.host_rows(fb)
+        req_to_token = self.req_to_token_pool.req_to_token
+        total = ctx.positions.shape[0]
+        queries, query_pos, keys, key_pos = [], [], [], []
+        c = DropCandidates(None, None, [], None, None, [], [], [], [])
+        selecting, joining, parking = [], JoiningRows(), []
+        for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
+            n = ctx.lens[b]
+            own = torch.arange(start, start + n, device=device)
+            if first_drop and d.park and n > 0 and self.parking.reserve(d.rid, d.prompt_len,
+                                                                        ctx.fixed_lens[b]):
+                parking.append((b, own))
+                continue
+            if first_drop and d.rid in self.parking.refused:
+                if d.park:
+                    ctx.note(b, "non-final chunk of a prompt over the parking budget: runs dense")
+                elif d.enabled:  # its final chunk: nothing to remember after it
+                    self.parking.refused.discard(d.rid)
+                    ctx.note(b, "prompt over --uniprefill-max-parked-tokens: drops among its "
+                                "final chunk's tokens only")
+            if not d.enabled:
+                continue
+            parked = self.parking.get(d.rid) if first_drop else None
+            if parked is not None:
+                ctx.finished_parking.append(d.rid)
+                if parked.count == 0:
+                    parked = None
+            if parked is None and n < self.config.min_tokens_to_drop:
+                ctx.note(b, "too few new tokens to score")
+                continue
+            rows, own_q, own_q_pos = own, q[start:start + n], ctx.positions[start:start + n]
+            fixed_len, joined = ctx.fixed_lens[b], 0
+            if parked is not None:  # candidates: parked rows of earlier chunks, then this step's
+                joined, fixed_len = parked.count, parked.start_pos
+                hidden, residual = parked.states()
+                span = slice(parked.start_pos, parked.start_pos + joined)
+                joining.positions.append(torch.arange(span.start, span.stop, device=device))
+                joining.slots.append(req_to_token[req_rows[b], span].to(torch.int64))
+                joining.hidden.append(hidden)
+                joining.residual.append(residual)
+                joining.request.append(torch.full((joined,), b, dtype=torch.int64, device=device))
+                rows = torch.cat([total + joining.count + torch.arange(joined, device=device), own])
+                joining.count += joined
+                ctx.fixed_lens[b] = fixed_len  # the parked rows are rows of this request now
+                if joined + n > n and n < self.config.last_queries and parked.last_q is not None:
+                    own_q = torch.cat([parked.last_q.to(own_q.dtype), own_q])  # short final chunk
+                    own_q_pos = torch.cat([parked.last_q_pos, own_q_pos])
+            num_q = min(self.config.last_queries, joined + n)
+            queries.append(own_q[-num_q:]), query_pos.append(own_q_pos[-num_q:])
+            prefix_slots, prefix_pos = self.slots.valid_slots(
+                req_to_token[req_rows[b], :fixed_len], stage)
+            # Keys: the valid prefix (scored, never dropped), parked rows, this step's rows.
+            keys.append(prefix_slots.to(torch.int64))
+            key_pos.append(prefix_pos.to(torch.int64))
+            if joined:
+                keys.append(joining.slots[-1])
+                key_pos.append(joining.positions[-1])
+            keys.append(ctx.out_cache_loc[start:start + n].to(torch.int64))
+            key_pos.append(ctx.positions[start:start + n].to(torch.int64))
+            c.query_counts.append(num_q)
+            c.key_counts.append(prefix_slots.numel() + joined + n)
+            c.prefix_counts.append(prefix_slots.numel())
+            c.top_p.append(d.top_p)
+            c.keep_ratio.append(d.ratio_at(drop_index))
+            selecting.append((b, rows, joined))
+        if selecting:
+            c.queries, c.query_pos = torch.cat(queries), torch.cat(query_pos)
+            c.key_slots, c.key_pos = torch.cat(keys), torch.cat(key_pos)
+        return c, selecting, joining, parking
+
+    def _select(self, ctx, layer, cands, selecting, keep, total, stage) -> None:
+        reduce = self.tp_agreement.reduce_scores if self.tp_agreement is not None else None
+        keep_idx, counts = select_survivors(
+            cands, self.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling,
+            self.rule, reduce)
+        if self.check_tp:
+            self.tp_agreement.verify(keep_idx, counts)
+        candidate_rows = torch.cat([rows for _, rows, _ in selecting])
+        keep.index_fill_(0, candidate_rows, False)
+        keep.index_fill_(0, candidate_rows[keep_idx], True)
+        # Dropped rows keep KV for the layers up to this one only; parked rows that survive
+        # get the later layers' KV from the rest of this forward.
+        self.slots.mark_dropped(ctx.out_cache_loc[~keep[:total]], stage)
+        for (b, _, joined), count in zip(selecting, counts.tolist()):
+            if joined:
+                ctx.kept[0][b] = joined + ctx.lens[b]
+            if count < joined + ctx.lens[b]:
+                ctx.sparse[b] = True
+            ctx.lens[b] = int(count)
+
+    def _park(self, ctx, b, rows, q, keep, stage) -> None:
+        """All rows of a non-final chunk stop here and wait for the final chunk; the last one
+        goes on alone so the forward still yields the logits SGLang expects (discarded)."""
+        rid = ctx.plan.decisions[b].rid
+        last = rows[-self.config.last_queries:]
+        ctx.to_park.append((rid, rows))
+        ctx.parked_now.append(b)
+        keep.index_fill_(0, rows[:-1], False)
+        self.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage)
+        ctx.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
+        self.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
+        ctx.sparse[b] = True
+        ctx.lens[b] = 1
+
+    def _compact(self, ctx, keep, joining: JoiningRows, rows_per_request: list) -> None:
+        """Shrink the context to the kept rows; the hidden states follow at the next layer
+        hook (`DropContext.apply_pending`). Rejoining parked rows are placed ahead of their
+        request's new rows."""
+        total = sum(rows_per_request)
+        positions = torch.cat([ctx.positions.to(torch.int64)] + joining.positions)
+        slots = torch.cat([ctx.out_cache_loc.to(torch.int64)] + joining.slots)
+        if joining.count:
+            self.slots.mark_written(slots[total:][keep[total:]])
+        rows = torch.nonzero(keep, as_tuple=True)[0]
+        if rows.numel() == total and not joining.count and not ctx.to_park:
+            return
+        if joining.count:  # order by (request, position)
+            request = torch.cat([torch.repeat_interleave(
+                torch.arange(len(ctx.lens), device=keep.device),
+                to_device(rows_per_request, torch.int64, keep.device))]
+                + joining.request)
+            key = request[rows] * (int(positions.max()) + 1) + positions[rows]
+            rows = rows[torch.argsort(key, stable=True)]
+            ctx.extra_hidden = torch.cat(joining.hidden)
+            ctx.extra_residual = torch.cat(joining.residual)
+        ctx.positions = positions.index_select(0, rows).to(ctx.positions.dtype)
+        ctx.out_cache_loc = slots.index_select(0, rows).to(ctx.out_cache_loc.dtype)
+        if ctx.pending_rows is not None:  # a previous drop's gather was never applied
+            rows = ctx.pending_rows.index_select(0, rows)
+        else:
+            ctx.rows_before_pending = total
+        ctx.park_sink = lambda rid, hidden, residual: self.parking.get(rid).append(hidden,
+                                                                                   residual)
+        ctx.pending_rows = rows
+        ctx.compacted = True
 
     def _check_extend_lens(self, ctx: DropContext, stage: int) -> None:
         """Debug: the KV a request holds for the layers after this drop is, as the extend views
         assume, its valid prefix plus the rows still alive."""
         fb = ctx.forward_batch
-        bs = len(ctx.lens)
-        seq_lens = [p + n for p, n in zip(fb.extend_prefix_lens_cpu or [0] * bs,
-                                          fb.extend_seq_lens_cpu)]
+        seq_lens = [p + n for p, n in zip(_prefix_lens(fb), fb.extend_seq_lens_cpu)]
         device = self._seq_valid_counts(fb.req_pool_indices, fb.seq_lens, sum(seq_lens))
         host = torch.tensor([p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)])
         check_kv_lens(host, device[:, stage], f"extend after a drop, stage {stage}")
 
-    def _drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
-        """At a drop layer, after its attention: keep the top blocks of each enabled request.
 
-        At the first drop layer this also parks non-final chunks (all their rows stop here but
-        the last, which carries the logits SGLang expects) and, for a final chunk, brings the
-        parked rows back as candidates scored by the prompt's true last queries.
-        """
-        stage = self.stages.stage(layer.layer_id)
-        drop_index = self.stages.drop_index[layer.layer_id]
-        first_drop = drop_index == 0
-        cfg = self.config
-        fb = ctx.forward_batch
-        device = q.device
-        decisions = ctx.plan.decisions
-        q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
-        starts = ctx.segment_starts()
-        req_rows = self._host_rows(fb)  # host copy: no sync before the scoring
-        prefix_lens = ctx.fixed_lens
-        req_to_token = self.req_to_token_pool.req_to_token
-        total = ctx.positions.shape[0]
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-
-        # Sources of rows after this drop: current rows [0, total), then parked rows joining.
-        extra_pos, extra_slots, extra_hidden, extra_residual, extra_seg = [], [], [], [], []
-        n_extra = 0
-        q_parts, qpos_parts, k_slots, k_pos, cand_src = [], [], [], [], []
-        q_indptr, k_indptr, cand_start, scored = [0], [0], [], []
-        park_rows = []
-        for b, d in enumerate(decisions):
-            s, n = starts[b], ctx.lens[b]
-            seg = torch.arange(s, s + n, device=device)
-            plen = prefix_lens[b]
-            if first_drop and d.park and n > 0 and self._may_park(d, plen):
-                park_rows.append((b, seg))
-                continue
-            if first_drop and d.rid in self.refused_parking:
-                if d.park:
-                    d.reason = "non-final chunk of a prompt over the parking budget: runs dense"
-                elif d.enabled:  # its final chunk: nothing to remember after it
-                    self.refused_parking.discard(d.rid)
-                    d.reason = ("prompt over --uniprefill-max-parked-tokens: drops among its "
-                                "final chunk's tokens only")
-            if not d.enabled:
-                continue
-            parked = self.parked.get(d.rid) if first_drop else None
-            if parked is not None and parked.count == 0:
-                parked = None
-            # Candidates: parked rows of earlier chunks (if any), then this step's rows.
-            if parked is not None:
-                p0, pc = parked.start_pos, parked.count
-                hid, res, pq, pqpos = parked.tensors()
-                pslots_c = req_to_token[req_rows[b], p0:p0 + pc].to(torch.int64)
-                ppos_c = torch.arange(p0, p0 + pc, device=device)
-                src = torch.cat([total + n_extra + torch.arange(pc, device=device), seg])
-                extra_pos.append(ppos_c), extra_slots.append(pslots_c)
-                extra_hidden.append(hid), extra_residual.append(res)
-                extra_seg.append(torch.full((pc,), b, dtype=torch.int64, device=device))
-                n_extra += pc
-                fixed_len = p0
-                ctx.fixed_lens[b] = p0  # the parked rows are rows of this request from now on
-            else:
-                pc, src, fixed_len = 0, seg, plen
-                pq = pqpos = None
-                pslots_c = ppos_c = empty
-            if parked is None and n < cfg.min_tokens_to_drop:
-                d.reason = ("too few new tokens to score" if d.reason is None
-                            else f"{d.reason}; too few of them to score")
-                continue
-            nq = min(cfg.last_queries, pc + n)
-            own_q = q[s:s + n]
-            own_qpos = ctx.positions[s:s + n]
-            if nq > n and pq is not None:  # the final chunk is shorter than the query window
-                own_q = torch.cat([pq.to(own_q.dtype), own_q])
-                own_qpos = torch.cat([pqpos, own_qpos])
-            q_parts.append(own_q[-nq:]), qpos_parts.append(own_qpos[-nq:])
-            if fixed_len > 0:
-                fslots, fpos = self.slots.valid_slots(req_to_token[req_rows[b], :fixed_len], stage)
-            else:
-                fslots = fpos = empty
-            k_slots += [fslots.to(torch.int64), pslots_c, ctx.out_cache_loc[s:s + n].to(torch.int64)]
-            k_pos += [fpos.to(torch.int64), ppos_c, ctx.positions[s:s + n].to(torch.int64)]
-            cand_src.append(src)
-            cand_start.append(fslots.numel())
-            q_indptr.append(q_indptr[-1] + nq)
-            k_indptr.append(k_indptr[-1] + fslots.numel() + pc + n)
-            scored.append((b, pc))
-
-        if not scored and not park_rows:
-            ctx.kept.append(list(ctx.lens))
-            return
-
-        # Row sources: keep_mask over current rows + joining parked rows.
-        keep_mask = torch.ones(total + n_extra, dtype=torch.bool, device=device)
-        if n_extra:
-            keep_mask[total:].fill_(False)
-        all_pos = torch.cat([ctx.positions.to(torch.int64)] + extra_pos)
-        all_slots = torch.cat([ctx.out_cache_loc.to(torch.int64)] + extra_slots)
-        if scored:
-            cand_src_t = torch.cat(cand_src)
-            k_indptr_t = to_device(k_indptr, torch.int32, device)
-            scores = kernels.score_tokens(
-                torch.cat(q_parts), torch.cat(qpos_parts), to_device(q_indptr, torch.int32, device),
-                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                torch.cat(k_slots), torch.cat(k_pos), k_indptr_t, layer.scaling,
-                max_q=max(hi - lo for lo, hi in zip(q_indptr, q_indptr[1:])),
-                max_k=max(hi - lo for lo, hi in zip(k_indptr, k_indptr[1:])),
-            )
-            if self.tp_agreement is not None:
-                # Each rank scored its own heads: every rank selects from the same summed bits.
-                scores = self.tp_agreement.reduce_scores(scores)
-            ds = [decisions[b] for b, _ in scored]
-            keep_idx, new_counts = kernels.select_tokens(
-                scores, torch.cat(k_pos), k_indptr_t, to_device(cand_start, torch.int64, device),
-                cfg.block_size, to_device([d.top_p for d in ds], torch.float32, device),
-                to_device([d.ratio_at(drop_index) for d in ds], torch.float32, device),
-                cfg.sink_tokens, cfg.last_queries,
-            )
-            if self.check_tp:
-                self.tp_agreement.verify(keep_idx, new_counts)
-            keep_mask.index_fill_(0, cand_src_t, False)
-            keep_mask.index_fill_(0, cand_src_t[keep_idx], True)
-            # Dropped rows keep KV for the layers up to this one only; parked rows that
-            # survive get full KV written by the rest of this forward.
-            dropped_current = ~keep_mask[:total]
-            self.slots.mark_dropped(ctx.out_cache_loc[dropped_current], stage)
-            if n_extra:
-                self.slots.mark_written(all_slots[total:][keep_mask[total:]])
-            for (b, pc), count in zip(scored, new_counts.tolist()):
-                if pc:
-                    ctx.kept[0][b] = pc + ctx.lens[b]
-                    ctx.finished_parking.append(decisions[b].rid)
-                if count < pc + ctx.lens[b]:
-                    ctx.sparse[b] = True
-                ctx.lens[b] = int(count)
-        for b, seg in park_rows:
-            # All rows stop here and wait for the final chunk; the last one goes on alone so
-            # the forward still yields the logits SGLang expects (they are discarded).
-            ctx.to_park.append((decisions[b].rid, seg))
-            ctx.parked_now.append(b)
-            keep_mask.index_fill_(0, seg[:-1], False)
-            self.slots.mark_dropped(ctx.out_cache_loc[seg[:-1]], stage)
-            ctx.ghost_slots.append(ctx.out_cache_loc[seg[-1:]])
-            self.parked[decisions[b].rid].add_queries(q[seg[-cfg.last_queries:]],
-                                                      ctx.positions[seg[-cfg.last_queries:]])
-            ctx.sparse[b] = True
-            ctx.lens[b] = 1
-        ctx.kept.append(list(ctx.lens))
-
-        rows = torch.nonzero(keep_mask, as_tuple=True)[0]
-        if rows.numel() == total and not n_extra and not park_rows:
-            return
-        if n_extra:
-            # Parked rows rejoin their request ahead of its new rows: order by (request, position).
-            seg_of_row = torch.cat([
-                torch.repeat_interleave(torch.arange(len(decisions), device=device),
-                                        to_device(starts_lens(starts, ctx, total), torch.int64,
-                                                  device)),
-                torch.cat(extra_seg),
-            ])
-            key = seg_of_row[rows] * (int(all_pos.max()) + 1) + all_pos[rows]
-            rows = rows[torch.argsort(key, stable=True)]
-        ctx.positions = all_pos.index_select(0, rows).to(ctx.positions.dtype)
-        ctx.out_cache_loc = all_slots.index_select(0, rows).to(ctx.out_cache_loc.dtype)
-        if n_extra:
-            ctx.extra_hidden = torch.cat(extra_hidden)
-            ctx.extra_residual = torch.cat(extra_residual)
-        if ctx.pending_rows is not None:  # a previous drop's gather was never applied
-            rows = ctx.pending_rows.index_select(0, rows)
-        else:
-            ctx.rows_before_pending = total
-        ctx.park_sink = self._park
-        ctx.pending_rows = rows
-        ctx.compacted = True
+def _prefix_lens(fb) -> list:
+    """Per request of an extend, the tokens before its new ones (cached or earlier chunks)."""
+    return list(fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu))
 
 
 def position_digest(ctx: DropContext) -> list:
@@ -400,33 +404,3 @@ def position_digest(ctx: DropContext) -> list:
     digest = torch.zeros(len(ctx.lens), dtype=torch.int64, device=pos.device)
     digest.index_add_(0, seg, pos * pos % 1000003 + pos)
     return digest.tolist()
-
-
-def starts_lens(starts, ctx, total):
-    """Row counts per request before this drop, from the segment starts."""
-    ends = starts[1:] + [total]
-    return [e - s for s, e in zip(starts, ends)]
-
-
-class ParkedRows:
-    """Hidden state of a chunked request's earlier chunks, right after the first drop layer's
-    attention (attention output and residual), plus the queries of its latest rows."""
-
-    def __init__(self, start_pos: int):
-        self.start_pos = start_pos
-        self.hidden, self.residual = [], []
-        self.q = self.q_pos = None
-        self.count = 0
-
-    def append(self, hidden, residual) -> None:
-        self.hidden.append(hidden)
-        self.residual.append(residual)
-        self.count += hidden.shape[0]
-
-    def add_queries(self, q, q_pos) -> None:
-        self.q, self.q_pos = q, q_pos.to(torch.int64)
-
-    def tensors(self):
-        hidden, residual = torch.cat(self.hidden), torch.cat(self.residual)
-        self.hidden, self.residual = [hidden], [residual]
-        return hidden, residual, self.q, self.q_pos

@@ -17,7 +17,6 @@ a host sync per drop).
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
@@ -26,10 +25,6 @@ import torch.distributed as dist
 
 class TPAgreementError(RuntimeError):
     """Ranks of one TP group selected different tokens."""
-
-
-def check_enabled() -> bool:
-    return os.environ.get("UNIPREFILL_CHECK_TP", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class TPScoreAgreement:

@@ -102,8 +102,4 @@ def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:
 
 def view_cache(ctx, key: str) -> dict:
     """A per-forward cache on the drop context (views planned once, run by every layer)."""
-    cache = getattr(ctx, key, None)
-    if cache is None:
-        cache = {}
-        setattr(ctx, key, cache)
-    return cache
+    return ctx.views.setdefault(key, {})

@@ -1,0 +1,52 @@
+"""Hooks on `sglang.srt.mem_cache.radix_cache.RadixCache`: the radix tree shares KV slots by
+token content, while under UniPrefill a slot's KV may exist in the early layers only.
+
+* `cache_unfinished_req` (AROUND). SGLang inserts a request's tokens into the tree after every
+  prefill step (and after each chunk of a chunked prefill). Two consequences need care:
+  - A chunk parked at the first drop layer (uniprefill_sglang/parking.py) holds KV for stage 0
+    only until its final chunk writes the later layers. In the tree, another request could match
+    it and read KV that changes under it. So a parked chunk is not inserted: the request keeps
+    its slots to itself, as SGLang's `ChunkCache` keeps them (`req.prefix_indices` is all the
+    next chunk needs), and its whole prompt is inserted after the final chunk.
+  - Where another request inserted the same leading tokens first, `insert` frees this request's
+    slots for them and points the request at the tree's, whose per-stage KV follows the other
+    request's selection. The host mirror of the request's KV gaps is then stale: it is re-read
+    from the device before the request's next decode (one sync, only when slots were swapped).
+* `insert` (AFTER): records how much of the key the tree already held, for the hook above.
+"""
+
+import torch
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+_TARGET = "sglang.srt.mem_cache.radix_cache.RadixCache"
+
+
+def _record_insert(result, cache, *args, **kwargs):
+    cache.uniprefill_last_insert_prefix_len = getattr(result, "prefix_len", None)
+    return result
+
+
+def _cache_unfinished_req(original, cache, req, chunked=False, **kwargs):
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    if runtime is None or not runtime.has_schedule or cache.disable:
+        return original(cache, req, chunked=chunked, **kwargs)
+    if chunked and runtime.parking.is_parked(req.rid):
+        req.prefix_indices = cache.req_to_token_pool.req_to_token[
+            req.req_pool_idx, : req.extend_range.end
+        ].to(dtype=torch.int64, copy=True)
+        return None
+    protected = req.cache_protected_len
+    cache.uniprefill_last_insert_prefix_len = None
+    result = original(cache, req, chunked=chunked, **kwargs)
+    shared = cache.uniprefill_last_insert_prefix_len
+    if shared is None or shared > protected:  # this request now reads other requests' slots
+        runtime.kv_gaps.invalidate(req.req_pool_idx)
+    return result
+
+
+def register() -> None:
+    HookRegistry.register(f"{_TARGET}.insert", _record_insert, HookType.AFTER)
+    HookRegistry.register(f"{_TARGET}.cache_unfinished_req", _cache_unfinished_req,
+                          HookType.AROUND)

@@ -1,0 +1,62 @@
+"""Every `UNIPREFILL_*` environment switch, declared once and read by one rule.
+
+Switches are read at each use (tests and benchmarks set them per process); a flag is on for
+"1", "true", "yes" or "on" (any case). They are debug and test aids: serving needs none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Tuple
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    name: str
+    doc: str
+
+    def get(self) -> bool:
+        return os.environ.get(self.name, "0").strip().lower() in _TRUE
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    name: str
+    doc: str
+    choices: Tuple[str, ...]
+
+    def get(self) -> Optional[str]:
+        value = os.environ.get(self.name, "").strip().lower()
+        if not value:
+            return None
+        if value not in self.choices:
+            raise ValueError(f"{self.name}={value!r}: expected one of {', '.join(self.choices)}")
+        return value
+
+
+CHECK_TP = Flag(
+    "UNIPREFILL_CHECK_TP",
+    "with TP > 1, every drop all-gathers a digest of each rank's selection and raises on a "
+    "mismatch (one host sync per drop)")
+CHECK_KV_LENS = Flag(
+    "UNIPREFILL_CHECK_KV_LENS",
+    "every drop and decode step checks the per-stage KV lengths kept on the host against the "
+    "slot map on the device and raises on a difference (one sync each)")
+REPORT_KEPT = Flag(
+    "UNIPREFILL_REPORT_KEPT",
+    "meta_info['uniprefill'][i]['kept_digest']: a fingerprint of the kept positions per drop")
+FORCE_REFERENCE = Flag(
+    "UNIPREFILL_FORCE_REFERENCE", "selection kernels: always the torch reference")
+FORCE_TRITON = Flag(
+    "UNIPREFILL_FORCE_TRITON",
+    "selection kernels: always Triton (CPU tensors need TRITON_INTERPRET=1)")
+TEST_FAULT = Choice(
+    "UNIPREFILL_TEST_FAULT",
+    "test only: 'drop' raises inside every drop (the forward re-runs dense); 'kv_gaps' corrupts "
+    "the host KV gaps an extend records (they are re-read from the device)",
+    ("drop", "kv_gaps"))
+
+ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT)

@@ -1,0 +1,90 @@
+"""Chunked prefill: rows of earlier chunks wait at the first drop layer for the final chunk.
+
+SGLang prefills a long prompt in chunks, and only the final chunk holds the prompt's true last
+queries, which are what UniPrefill scores with. So a non-final chunk runs up to the first drop
+layer (whose attention and KV write see every token), parks its rows there (hidden state and
+residual right after that layer's attention), and the final chunk scores every parked row
+together with its own; the survivors of both go on through the rest of the model in one step.
+
+A parked chunk's KV slots hold KV for stage 0 only until its final chunk writes the later
+layers, so they must not be shared meanwhile: patches/radix_cache.py keeps them out of the
+radix tree until the whole prompt is prefilled.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Set
+
+import torch
+
+from uniprefill_sglang.request_plan import log_fallback_once
+
+
+class ParkedRows:
+    """One request's parked rows: positions [start_pos, start_pos + count), their hidden state
+    and residual after the first drop layer's attention, and the queries of the latest chunk's
+    last rows (the final chunk borrows them when it is shorter than the query window)."""
+
+    def __init__(self, start_pos: int):
+        self.start_pos = start_pos
+        self.count = 0
+        self._hidden, self._residual = [], []
+        self.last_q: Optional[torch.Tensor] = None
+        self.last_q_pos: Optional[torch.Tensor] = None
+
+    def append(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        self._hidden.append(hidden)
+        self._residual.append(residual)
+        self.count += hidden.shape[0]
+
+    def set_last_queries(self, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        self.last_q, self.last_q_pos = q, q_pos.to(torch.int64)
+
+    def states(self):
+        """(hidden, residual) of every parked row, in position order."""
+        if len(self._hidden) > 1:
+            self._hidden, self._residual = [torch.cat(self._hidden)], [torch.cat(self._residual)]
+        return self._hidden[0], self._residual[0]
+
+
+class ParkingLot:
+    """Parked rows by request id, and the requests whose prompt exceeds the parking budget."""
+
+    def __init__(self, max_parked_tokens: int):
+        self.max_parked_tokens = max_parked_tokens
+        self.enabled = False  # set once the model integration can stop rows at the first drop
+        self.rows: Dict[str, ParkedRows] = {}
+        self.refused: Set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, rid: Optional[str]) -> Optional[ParkedRows]:
+        return self.rows.get(rid)
+
+    def is_parked(self, rid: Optional[str]) -> bool:
+        return rid in self.rows
+
+    def forget(self, rid: str) -> None:
+        """Drop a request's parked state (its final chunk consumed it, or it was aborted)."""
+        self.rows.pop(rid, None)
+        self.refused.discard(rid)
+
+    def reserve(self, rid: str, prompt_len: int, prefix_len: int) -> bool:
+        """May this non-final chunk park? The first chunk of a request decides for all of them:
+        the rest of the prompt must fit `--uniprefill-max-parked-tokens`."""
+        if rid in self.rows:
+            return True
+        if rid in self.refused or not self.enabled:
+            return False
+        if prompt_len - prefix_len > self.max_parked_tokens:
+            self.refused.add(rid)
+            log_fallback_once("prompt longer than --uniprefill-max-parked-tokens: earlier "
+                              "chunks run dense, the final chunk drops among its own tokens")
+            return False
+        # SGLang's scheduler has one chunked request in flight; anything else parked is left
+        # over from an abort that bypassed the hook.
+        for stale in [r for r in self.rows if r != rid]:
+            self.forget(stale)
+        self.rows[rid] = ParkedRows(start_pos=prefix_len)
+        return True

@@ -1,0 +1,121 @@
+"""The drop's selection as one pure function: a batch's candidates in, its survivors out.
+
+For each request that selects at a drop layer (a segment): its last queries attend causally to
+its keys (the valid prefix, which is never dropped, then the candidates); a key's score is the
+attention mass the queries pay it, summed over queries and heads; candidates are grouped into
+blocks of `block_size`, and the top blocks are kept (the smallest set holding `top_p` of the
+mass, or a fixed `keep_ratio` of the blocks), plus the attention sinks (positions below
+`sink_tokens`) and the last `last_window` candidates.
+
+`select_survivors` runs the kernels (Triton on CUDA, their torch references elsewhere);
+`select_survivors_reference` is the same rule written plainly, for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from uniprefill_sglang import kernels
+from uniprefill_sglang.context import to_device
+
+
+@dataclasses.dataclass
+class DropCandidates:
+    """One drop's scoring inputs, segment after segment (host lists are per segment)."""
+    queries: torch.Tensor       # [Nq, Hq, D] post-RoPE queries
+    query_pos: torch.Tensor     # [Nq] their original positions
+    query_counts: List[int]
+    key_slots: torch.Tensor     # [Nk] rows of the layer's key buffer
+    key_pos: torch.Tensor       # [Nk] original positions
+    key_counts: List[int]
+    prefix_counts: List[int]    # leading keys of each segment that are not candidates
+    top_p: List[float]
+    keep_ratio: List[float]     # > 0: keep this fraction of the blocks; 0: top-p
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.key_counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionRule:
+    block_size: int
+    sink_tokens: int
+    last_window: int
+
+
+def _indptr(counts: List[int]) -> List[int]:
+    out = [0]
+    for n in counts:
+        out.append(out[-1] + n)
+    return out
+
+
+def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
+                     rule: SelectionRule,
+                     reduce_scores: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(keep_idx, kept_counts): ascending indices of the kept candidates, numbered across the
+    batch (segment 0's candidates first, prefix keys not counted), and kept candidates per
+    segment (int32 on the device). `reduce_scores` sums the per-token scores over tensor-
+    parallel ranks, each of which scored with its own heads."""
+    device = cands.key_slots.device
+    q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
+    k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
+    scores = kernels.score_tokens(
+        cands.queries, cands.query_pos, q_indptr, key_buffer, cands.key_slots, cands.key_pos,
+        k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts))
+    if reduce_scores is not None:
+        scores = reduce_scores(scores)
+    return kernels.select_tokens(
+        scores, cands.key_pos, k_indptr, to_device(cands.prefix_counts, torch.int64, device),
+        rule.block_size, to_device(cands.top_p, torch.float32, device),
+        to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
+
+
+def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
+                               rule: SelectionRule) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`select_survivors` in float64 with one request at a time and plain loops."""
+    keep_idx, counts = [], []
+    q_ptr, k_ptr = _indptr(cands.query_counts), _indptr(cands.key_counts)
+    first_candidate = 0
+    for b in range(cands.num_segments):
+        q = cands.queries[q_ptr[b]:q_ptr[b + 1]].double()
+        q_pos = cands.query_pos[q_ptr[b]:q_ptr[b + 1]]
+        slots = cands.key_slots[k_ptr[b]:k_ptr[b + 1]]
+        k_pos = cands.key_pos[k_ptr[b]:k_ptr[b + 1]]
+        k = key_buffer[slots.long()].double()                       # [m, Hkv, D]
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)                        # query head h reads h // group
+        logits = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
+        visible = k_pos[None, :] <= q_pos[:, None]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        token_score = torch.nan_to_num(probs).sum(dim=(0, 1))        # rows with no visible key: 0
+        cand = token_score[cands.prefix_counts[b]:]
+        cand_pos = k_pos[cands.prefix_counts[b]:]
+        n = cand.shape[0]
+        blocks = [float(cand[i:i + rule.block_size].sum()) for i in range(0, n, rule.block_size)]
+        order = sorted(range(len(blocks)), key=lambda i: (-blocks[i], i))
+        ratio, total = cands.keep_ratio[b], sum(blocks)
+        if ratio > 0:
+            num_kept = max(1, min(len(blocks), math.ceil(ratio * len(blocks) * (1 - 1e-6))))
+        elif cands.top_p[b] >= 1.0 or total <= 0:
+            num_kept = len(blocks)
+        else:
+            num_kept, mass = 0, 0.0
+            while num_kept < len(blocks) and mass < cands.top_p[b] * total:
+                mass += blocks[order[num_kept]]
+                num_kept += 1
+        kept_blocks = set(order[:num_kept])
+        keep = [i // rule.block_size in kept_blocks or int(cand_pos[i]) < rule.sink_tokens
+                or i >= n - rule.last_window for i in range(n)]
+        kept = [first_candidate + i for i in range(n) if keep[i]]
+        keep_idx += kept
+        counts.append(len(kept))
+        first_candidate += n
+    return (torch.tensor(keep_idx, dtype=torch.int64),
+            torch.tensor(counts, dtype=torch.int32))
