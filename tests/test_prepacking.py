@@ -21,6 +21,8 @@ from uniprefill_sglang.tools.prepacking import (
     run_one_by_one,
     run_packed,
     run_padded,
+    ttft_packed,
+    ttft_padded,
 )
 
 REL_TOL = 1e-4  # fp32; observed errors are below 1e-6
@@ -148,6 +150,29 @@ def test_padded_logits_equal_one_by_one(tiny_llama, seed):
     ref = run_one_by_one(tiny_llama, prompts)
     padded = run_padded(tiny_llama, build_padded_batch(prompts))
     assert max_rel_err(padded, ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_left_padded_logits_equal_one_by_one(tiny_llama, seed):
+    prompts = random_prompts(25 + seed, 8, 1, 96, 256)
+    ref = run_one_by_one(tiny_llama, prompts)
+    padded = run_padded(tiny_llama, build_padded_batch(prompts, side="left"))
+    assert max_rel_err(padded, ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ttft_packed_and_padded_equal_one_by_one(tiny_llama, seed):
+    """The paper's TTFT path: packed prefix, unpacked KV, one step over the last tokens."""
+    prompts = random_prompts(50 + seed, 16, 2, 96, 256)
+    ref = run_one_by_one(tiny_llama, prompts)
+    assert build_packed_batch([p[:-1] for p in prompts]).num_rows < len(prompts)
+    assert max_rel_err(ttft_packed(tiny_llama, prompts), ref) <= REL_TOL
+    assert max_rel_err(ttft_padded(tiny_llama, prompts), ref) <= REL_TOL
+
+
+def test_ttft_packed_needs_two_tokens(tiny_llama):
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        ttft_packed(tiny_llama, [[5, 6, 7], [8]])
 
 
 def test_plain_causal_mask_over_a_packed_row_is_wrong(tiny_llama):

@@ -17,9 +17,19 @@ compute and memory on pad tokens. Prepacking instead packs several prompts into 
    is read at its packed offset ``(row, start + length - 1)`` and only those rows go through the
    LM head (``run_packed``).
 
-For comparison ``build_padded_batch`` / ``run_padded`` is the ordinary batch: right padding to the
-longest prompt, a 2D attention mask, default positions 0..L-1 (correct under right padding).
-``run_one_by_one`` runs each prompt alone without padding: the reference both must match.
+For comparison ``build_padded_batch`` / ``run_padded`` is the ordinary batch: padding to the
+longest prompt (right by default, left with ``side="left"`` as ``generate`` needs), a 2D attention
+mask, positions counting real tokens only. ``run_one_by_one`` runs each prompt alone without
+padding: the reference both must match.
+
+Time to first token as the paper defines it (its ``TTFT_with_prepacking``): prefill every prompt
+but its last token packed, **unpack** the packed KV cache into the ordinary left-padded cache
+(``unpack_kv``), then run one step over the last tokens against that cache and take the first
+generated token (``ttft_packed``). Its baseline (``TTFT_with_baseline``: ``generate`` with
+``max_new_tokens=1`` on the left-padded batch) is ``ttft_padded``: one forward over the
+left-padded prompts that keeps the KV cache, logits for the last position only, argmax. Our
+unpack gathers each layer's keys and values with one indexing op per tensor (the paper's loops
+over prompts and layers in Python) and releases each packed layer as soon as it is unpacked.
 
 How transformers 5.x takes the custom mask (read from the installed source, 5.12):
 ``masking_utils._preprocess_mask_arguments`` returns any 4D tensor mask as-is ("already prepared,
@@ -49,6 +59,11 @@ __all__ = [
     "run_packed",
     "run_padded",
     "run_one_by_one",
+    "prefill_padded",
+    "prefill_packed",
+    "unpack_kv",
+    "ttft_padded",
+    "ttft_packed",
 ]
 
 
@@ -119,9 +134,22 @@ class PackedBatch:
 
 @dataclass
 class PaddedBatch:
-    input_ids: torch.Tensor  # (n, L) int64, right-padded
+    input_ids: torch.Tensor  # (n, L) int64, right- or left-padded
     attention_mask: torch.Tensor  # (n, L) int64, 1 for real tokens
     lengths: list[int]
+    side: str = "right"
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """0, 1, ... over each prompt's real tokens (pads get 0), as ``generate`` computes them."""
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    @property
+    def last_columns(self) -> list[int]:
+        """Column of each prompt's last token."""
+        if self.side == "left":
+            return [self.input_ids.shape[1] - 1] * len(self.lengths)
+        return [n - 1 for n in self.lengths]
 
     @property
     def real_tokens(self) -> int:
@@ -193,17 +221,21 @@ def build_padded_batch(
     prompts: Sequence[Sequence[int]],
     pad_token_id: int = 0,
     device: torch.device | str | None = None,
+    side: str = "right",
 ) -> PaddedBatch:
-    """Right-pad every prompt to the longest; a 2D attention mask marks the real tokens."""
+    """Pad every prompt to the longest (``side`` "right" or "left"); a 2D mask marks real tokens."""
+    if side not in ("right", "left"):
+        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
     prompts = _as_lists(prompts)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        input_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, : len(p)] = 1
-    return PaddedBatch(input_ids.to(device), attention_mask.to(device), lengths)
+        cols = slice(0, len(p)) if side == "right" else slice(width - len(p), width)
+        input_ids[i, cols] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, cols] = 1
+    return PaddedBatch(input_ids.to(device), attention_mask.to(device), lengths, side)
 
 
 def _base_and_head(model):
@@ -225,29 +257,13 @@ def _check_attn_impl(model) -> None:
 @torch.inference_mode()
 def run_packed(model, batch: PackedBatch) -> torch.Tensor:
     """One forward over the packed rows; returns ``(n_prompts, vocab)`` last-token logits."""
-    _check_attn_impl(model)
-    base, head = _base_and_head(model)
-    hidden = base(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).last_hidden_state
-    rows = torch.tensor([r for r, _, _ in batch.index], device=hidden.device)
-    cols = torch.tensor([s + n - 1 for _, s, n in batch.index], device=hidden.device)
-    return head(hidden[rows, cols])
+    return prefill_packed(model, batch, use_cache=False)[0]
 
 
 @torch.inference_mode()
 def run_padded(model, batch: PaddedBatch) -> torch.Tensor:
-    """One forward over the right-padded batch; returns ``(n_prompts, vocab)`` last-token logits."""
-    base, head = _base_and_head(model)
-    hidden = base(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-    ).last_hidden_state
-    rows = torch.arange(len(batch.lengths), device=hidden.device)
-    cols = torch.tensor([n - 1 for n in batch.lengths], device=hidden.device)
-    return head(hidden[rows, cols])
+    """One forward over the padded batch; returns ``(n_prompts, vocab)`` last-token logits."""
+    return prefill_padded(model, batch, use_cache=False)[0]
 
 
 @torch.inference_mode()
@@ -267,3 +283,123 @@ def run_one_by_one(
                              dtype=logits.dtype, device=logits.device)
         out[i] = logits
     return out
+
+
+# ---------------------------------------------------------------------------- with the KV cache
+
+
+@torch.inference_mode()
+def prefill_padded(model, batch: PaddedBatch, use_cache: bool = True):
+    """Forward over the padded batch: ``(last-token logits (n, vocab), KV cache or None)``."""
+    base, head = _base_and_head(model)
+    out = base(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=use_cache,
+    )
+    hidden = out.last_hidden_state
+    rows = torch.arange(len(batch.lengths), device=hidden.device)
+    cols = torch.tensor(batch.last_columns, device=hidden.device)
+    return head(hidden[rows, cols]), (out.past_key_values if use_cache else None)
+
+
+@torch.inference_mode()
+def prefill_packed(model, batch: PackedBatch, use_cache: bool = True, logits: bool = True):
+    """Forward over the packed rows: ``(last-token logits (n, vocab) or None, KV cache or None)``.
+
+    The cache is the packed one: per layer, keys and values of shape ``(rows, kv_heads, W, d)``.
+    """
+    _check_attn_impl(model)
+    base, head = _base_and_head(model)
+    out = base(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=use_cache,
+    )
+    cache = out.past_key_values if use_cache else None
+    if not logits:
+        return None, cache
+    hidden = out.last_hidden_state
+    rows = torch.tensor([r for r, _, _ in batch.index], device=hidden.device)
+    cols = torch.tensor([s + n - 1 for _, s, n in batch.index], device=hidden.device)
+    return head(hidden[rows, cols]), cache
+
+
+def _cache_tensors(cache) -> list:
+    """Per layer ``[keys, values]`` of a transformers cache (DynamicCache or legacy tuples)."""
+    if hasattr(cache, "layers"):
+        return [[layer.keys, layer.values] for layer in cache.layers]
+    return [[k, v] for k, v in cache]
+
+
+def unpack_kv(packed_kv: list, batch: PackedBatch):
+    """Packed per-layer ``[keys, values]`` -> the left-padded cache of the prompts, input order.
+
+    ``packed_kv[layer] = [keys, values]`` of shape ``(rows, kv_heads, W, d)`` (``_cache_tensors``);
+    the list is emptied as it goes (each packed layer is released once unpacked). Returns
+    ``(DynamicCache with (n, kv_heads, M, d) per layer, attention_mask (n, M) int64)`` with ``M``
+    the longest prompt; prompt ``i``'s entries fill the last ``length_i`` columns. The pad
+    columns hold keys of other tokens; the mask hides them.
+    """
+    from transformers import DynamicCache
+
+    device = packed_kv[0][0].device
+    r = torch.tensor([r for r, _, _ in batch.index], device=device)
+    s = torch.tensor([s for _, s, _ in batch.index], device=device)
+    m = torch.tensor([n for _, _, n in batch.index], device=device)
+    width_out = int(m.max())
+    off = torch.arange(width_out, device=device)[None, :] - (width_out - m)[:, None]
+    mask = (off >= 0).long()
+    rows = r[:, None].expand(-1, width_out)
+    cols = s[:, None] + off.clamp(min=0)
+    cache = DynamicCache()
+    for layer in range(len(packed_kv)):
+        k, v = packed_kv[layer]
+        packed_kv[layer] = None
+        # (rows, h, W, d)[rows_idx, :, cols_idx] -> (n, M, h, d): indexed dims first
+        k = k[rows, :, cols].transpose(1, 2)
+        v = v[rows, :, cols].transpose(1, 2)
+        cache.update(k, v, layer)
+        del k, v
+    return cache, mask
+
+
+@torch.inference_mode()
+def ttft_padded(model, prompts: Sequence[Sequence[int]], pad_token_id: int = 0,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """The paper's baseline TTFT: ``generate(max_new_tokens=1)`` on the left-padded batch.
+
+    One forward that builds the KV cache of every prompt; the last position's logits give the
+    first token. Returns those logits ``(n, vocab)`` (their argmax is the first token).
+    """
+    batch = build_padded_batch(prompts, pad_token_id=pad_token_id, device=device, side="left")
+    logits, cache = prefill_padded(model, batch, use_cache=True)
+    del cache
+    return logits
+
+
+@torch.inference_mode()
+def ttft_packed(model, prompts: Sequence[Sequence[int]], dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """The paper's Prepacking TTFT: packed prefill of all but the last token, unpack, one step.
+
+    Returns the first step's logits ``(n, vocab)``; every prompt needs at least 2 tokens.
+    """
+    prompts = _as_lists(prompts)
+    if min(map(len, prompts)) < 2:
+        raise ValueError("ttft_packed needs prompts of at least 2 tokens")
+    batch = build_packed_batch([p[:-1] for p in prompts], dtype=dtype, device=device)
+    _, cache = prefill_packed(model, batch, use_cache=True, logits=False)
+    packed_kv = _cache_tensors(cache)
+    del cache
+    cache, mask = unpack_kv(packed_kv, batch)
+    dev = mask.device
+    n = len(prompts)
+    last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=dev)
+    mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
+    pos = torch.tensor([[len(p) - 1] for p in prompts], dtype=torch.long, device=dev)
+    out = model(input_ids=last, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
