@@ -6,7 +6,8 @@
   in which UniPrefill acted and that raised runs once more without it (an extend: every request
   dense, each reporting why in meta_info; a decode: with its KV lengths re-read from the device),
   so an error in the plugin's code never takes the server down. If that run fails too, the error
-  is SGLang's and propagates as it would without the plugin.
+  is SGLang's and propagates as it would without the plugin. A failed debug check
+  (`context.CheckFailed`) is never caught: it exists to make a bookkeeping bug loud.
 """
 
 import logging
@@ -66,6 +67,7 @@ def _tp_agreement(model_runner):
 
 
 def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs):
+    from uniprefill_sglang.context import CheckFailed
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
@@ -75,7 +77,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     try:
         result = original(model_runner, forward_batch, *args, **kwargs)
     except Exception as error:
-        if not _uniprefill_acted(ctx):
+        if isinstance(error, CheckFailed) or not _uniprefill_acted(ctx):
             runtime.end_forward(ctx)
             raise
         logger.exception("UniPrefill: a %s forward failed in UniPrefill's code; running it again "

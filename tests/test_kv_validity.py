@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view
-from uniprefill_sglang.kv_validity import KVGaps, SlotStages, check_kv_lens, compact, \
-    decode_stage_views, gather_seq_slots
+from uniprefill_sglang.context import CheckFailed
+from uniprefill_sglang.kv_validity import KVGaps, RequestStageKV, SlotStages, check_kv_lens, \
+    compact, decode_stage_views, gather_seq_slots
 
 NUM_DROPS = 4
 
@@ -105,7 +106,7 @@ def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
             assert indices[indptr[b]:indptr[b + 1]].tolist() == want
     # A host count the slot map contradicts is refused.
     ctx.prefix_valid = [[n + 1 for n in h] for h in host]
-    with pytest.raises(RuntimeError, match="extend prefix stage 0"):
+    with pytest.raises(CheckFailed, match="extend prefix stage 0"):
         prefix_view(runtime, req_to_token, fb, ctx, 0)
 
 
@@ -135,5 +136,22 @@ def test_kv_gaps_reject_negative_gaps_and_track_stale_rows():
 def test_check_kv_lens_names_both_sides_on_a_mismatch():
     device = torch.tensor([[3, 2], [5, 5]], dtype=torch.int64)
     check_kv_lens(torch.tensor([[3, 2], [5, 5]], dtype=torch.int32), device, "equal")
-    with pytest.raises(RuntimeError, match=r"decode: host KV lengths \[\[3, 2\], \[5, 4\]\]"):
+    with pytest.raises(CheckFailed, match=r"decode: host KV lengths \[\[3, 2\], \[5, 4\]\]"):
         check_kv_lens(torch.tensor([[3, 2], [5, 4]]), device, "decode")
+
+
+def test_inconsistent_extend_counts_leave_the_row_stale_and_the_device_recounts_it():
+    """RequestStageKV: a negative count (issue 14's symptom) is never stored; the row is read
+    back from the device slot map instead, which gives the true gaps."""
+    slots = SlotStages(64, 2, "cpu")
+    req_to_token = torch.arange(64, dtype=torch.int32).view(4, 16)
+    book = RequestStageKV(slots, KVGaps(4, 2), req_to_token)
+    slots.mark_dropped(torch.tensor([17, 18, 19]), 1)  # row 1 lost 3 slots after drop 1 ...
+    slots.mark_dropped(torch.tensor([20]), 0)  # ... and one more after the first drop
+    assert book.record_extend(1, 10, [0, 0, 0], [6, 6])  # consistent: stored
+    assert book.gaps.get(1) == (4, 4) and not book.gaps.is_stale(1)
+    assert not book.record_extend(1, 10, [0, 0, 0], [6, 6], corrupt=True)
+    assert book.gaps.is_stale(1)
+    book.refresh_stale([1, 2], torch.tensor([1, 2]), torch.tensor([10, 5]), torch.tensor([10, 5]))
+    assert book.gaps.get(1) == (1, 4) and book.gaps.get(2) == (0, 0)
+    assert not book.gaps.is_stale(1)

@@ -18,7 +18,12 @@ from uniprefill_sglang.request_plan import BatchPlan
 
 
 class UniPrefillError(RuntimeError):
-    """UniPrefill's own bookkeeping found an inconsistency (the forward re-runs dense)."""
+    """UniPrefill's own code failed in a forward (the forward runs again without it)."""
+
+
+class CheckFailed(AssertionError):
+    """A debug check (UNIPREFILL_CHECK_KV_LENS, UNIPREFILL_CHECK_TP) failed. Never recovered
+    from: a check exists to make a bookkeeping bug loud in tests."""
 
 
 @dataclasses.dataclass
@@ -53,9 +58,10 @@ class DropContext:
     extra_residual: Optional[torch.Tensor] = None
     to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
     park_sink: Optional[Callable] = None  # (rid, hidden_rows, residual_rows) -> None
+    # Slots of each parking chunk's last row, which goes on past the first drop (for logits).
     ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
     parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking this step
-    finished_parking: List[str] = dataclasses.field(default_factory=list)
+    finished_parking: List[str] = dataclasses.field(default_factory=list)  # rids rejoined now
     # Per request: why it ran dense or dropped less than its decision said (set by the drop).
     notes: Dict[int, str] = dataclasses.field(default_factory=dict)
     # Attention adapters' per-forward views (planned once, run by every layer of a stage).
@@ -83,6 +89,35 @@ class DropContext:
             acc += n
         return starts
 
+    def shrink(self, keep: torch.Tensor, joining, rows_per_request: List[int],
+               park_sink: Callable) -> None:
+        """Keep the rows where `keep` is set: the step's own rows, then any parked rows
+        rejoining (`parking.JoiningRows`), which go ahead of their request's new rows. The
+        hidden states follow at the next layer hook (`apply_pending`)."""
+        total = sum(rows_per_request)
+        rows = torch.nonzero(keep, as_tuple=True)[0]
+        if rows.numel() == total and not joining.count and not self.to_park:
+            return
+        positions = torch.cat([self.positions.to(torch.int64)] + joining.positions)
+        slots = torch.cat([self.out_cache_loc.to(torch.int64)] + joining.slots)
+        if joining.count:  # order by (request, position)
+            request = torch.cat([torch.repeat_interleave(
+                torch.arange(len(self.lens), device=keep.device),
+                to_device(rows_per_request, torch.int64, keep.device))] + joining.request)
+            key = request[rows] * (int(positions.max()) + 1) + positions[rows]
+            rows = rows[torch.argsort(key, stable=True)]
+            self.extra_hidden = torch.cat(joining.hidden)
+            self.extra_residual = torch.cat(joining.residual)
+        self.positions = positions.index_select(0, rows).to(self.positions.dtype)
+        self.out_cache_loc = slots.index_select(0, rows).to(self.out_cache_loc.dtype)
+        if self.pending_rows is not None:  # a previous drop's gather was never applied
+            rows = self.pending_rows.index_select(0, rows)
+        else:
+            self.rows_before_pending = total
+        self.park_sink = park_sink
+        self.pending_rows = rows
+        self.compacted = True
+
     def apply_pending(self, hidden_states, residual):
         """Gather hidden states and residual to the surviving rows, if not done yet.
 
@@ -104,6 +139,16 @@ class DropContext:
 
     def finish_pending(self) -> None:
         self.pending_rows = None
+
+    def position_digest(self) -> List[int]:
+        """Per request, a fingerprint of the positions that survive the current drop (debug:
+        compares runs token for token, one host read)."""
+        pos = self.positions.to(torch.int64)
+        seg = torch.repeat_interleave(torch.arange(len(self.lens), device=pos.device),
+                                      torch.tensor(self.lens, device=pos.device))
+        digest = torch.zeros(len(self.lens), dtype=torch.int64, device=pos.device)
+        digest.index_add_(0, seg, pos * pos % 1000003 + pos)
+        return digest.tolist()
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from uniprefill_sglang.context import UniPrefillError
+from uniprefill_sglang.context import CheckFailed, to_device
 
 
 class LayerStages:
@@ -116,12 +116,86 @@ class KVGaps:
         return self.by_row[row]
 
 
+class RequestStageKV:
+    """Per request, how much KV each stage holds: counted on the device from the slot map,
+    mirrored on the host as gaps (what decode plans with), and compared on demand."""
+
+    def __init__(self, slots: SlotStages, gaps: KVGaps, req_to_token: torch.Tensor):
+        self.slots, self.gaps, self.req_to_token = slots, gaps, req_to_token
+
+    def valid_counts(self, req_pool_indices, seq_lens, n: int) -> torch.Tensor:
+        """[bs, D + 1] on the device: per request, how many slots of positions [0, seq_len)
+        hold KV for each stage (n = the lengths' sum, host-known)."""
+        seq = gather_seq_slots(self.req_to_token, req_pool_indices, seq_lens, n)
+        return self.slots.valid_counts(seq.slots, seq.row, req_pool_indices.shape[0])
+
+    def prefix_valid(self, req_pool_indices, prefix_lens: List[int]) -> List[List[int]]:
+        """Per request, per stage 0..D: the slots of its prefix holding KV for that stage (one
+        device read when some request has a prefix)."""
+        valid = [[plen] * (self.slots.full + 1) for plen in prefix_lens]
+        with_prefix = [b for b, plen in enumerate(prefix_lens) if plen > 0]
+        if not self.slots.full or not with_prefix:
+            return valid
+        device = req_pool_indices.device
+        lens = [prefix_lens[b] for b in with_prefix]
+        counts = self.valid_counts(req_pool_indices[_on(with_prefix, device)],
+                                   _on(lens, device), sum(lens)).tolist()
+        for b, c in zip(with_prefix, counts):
+            valid[b] = c
+        return valid
+
+    def record_extend(self, row: int, seq_len: int, prefix_valid: List[int],
+                      entered: List[int], corrupt: bool = False) -> bool:
+        """After an extend: the row's gap at stage s is its sequence minus the valid prefix and
+        the rows that entered the stage. An inconsistent (negative) count leaves the row stale,
+        read back from the device before its next decode; False then. `corrupt` (test only)
+        makes the count inconsistent."""
+        gaps = [seq_len - prefix_valid[s] - entered[s - 1] - (seq_len + 1 if corrupt else 0)
+                for s in range(1, self.slots.full + 1)]
+        if any(g < 0 for g in gaps):
+            self.gaps.invalidate(row)
+            return False
+        self.gaps.set(row, gaps)
+        return True
+
+    def refresh_stale(self, rows: List[int], req_pool_indices, seq_lens, seq_lens_cpu) -> None:
+        """Decode: recount the gaps of stale rows from the device slot map (one sync)."""
+        stale = [b for b, r in enumerate(rows) if self.gaps.is_stale(r)]
+        if not stale:
+            return
+        idx = _on(stale, req_pool_indices.device)
+        host_lens = seq_lens_cpu[stale].to(torch.int64)
+        valid = self.valid_counts(req_pool_indices[idx], seq_lens[idx], int(host_lens.sum())).cpu()
+        for i, b in enumerate(stale):
+            self.gaps.set(rows[b], (host_lens[i] - valid[i, 1:]).tolist())
+
+    def check_decode(self, req_pool_indices, seq_lens, seq_lens_cpu, gaps) -> None:
+        """Debug: the host gaps of a decode batch agree with the device's slot stages."""
+        bs = len(gaps)
+        host_lens = seq_lens_cpu[:bs].to(torch.int32)
+        device = self.valid_counts(req_pool_indices[:bs], seq_lens[:bs],
+                                   int(host_lens.sum()))[:, 1:]
+        host = host_lens.unsqueeze(1) - torch.tensor(gaps, dtype=torch.int32)
+        check_kv_lens(host, device, "decode, valid KV per request and stage from the host gaps")
+
+    def check_extend(self, req_pool_indices, seq_lens, seq_lens_cpu: List[int],
+                     stage_lens: List[int], stage: int) -> None:
+        """Debug: after a drop, each request holds for `stage` the KV the views assume."""
+        device = self.valid_counts(req_pool_indices, seq_lens, sum(seq_lens_cpu))
+        check_kv_lens(torch.tensor(stage_lens), device[:, stage],
+                      f"extend after a drop, stage {stage}")
+
+
+def _on(values: List[int], device) -> torch.Tensor:
+    return to_device(values, torch.int64, device)
+
+
 def check_kv_lens(host: torch.Tensor, device_counts: torch.Tensor, what: str) -> None:
     """Debug (UNIPREFILL_CHECK_KV_LENS=1, one sync): the host lengths a plan uses must equal
     the KV the view (or the slot map) really holds."""
     got = device_counts.cpu().to(torch.int32)
     if not torch.equal(host.to(torch.int32), got):
-        raise UniPrefillError(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
+        raise CheckFailed(f"UniPrefill: {what}: host KV lengths {host.tolist()} != "
                            f"device {got.tolist()}")
 
 

@@ -13,7 +13,8 @@ radix tree until the whole prompt is prefilled.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set
+import dataclasses
+from typing import Dict, List, Optional
 
 import torch
 
@@ -54,7 +55,7 @@ class ParkingLot:
         self.max_parked_tokens = max_parked_tokens
         self.enabled = False  # set once the model integration can stop rows at the first drop
         self.rows: Dict[str, ParkedRows] = {}
-        self.refused: Set[str] = set()
+        self.refused: Dict[str, str] = {}  # rid -> why its chunks do not park
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,7 +69,18 @@ class ParkingLot:
     def forget(self, rid: str) -> None:
         """Drop a request's parked state (its final chunk consumed it, or it was aborted)."""
         self.rows.pop(rid, None)
-        self.refused.discard(rid)
+        self.refused.pop(rid, None)
+
+    def append(self, rid: str, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        self.rows[rid].append(hidden, residual)
+
+    def give_up(self, rid: Optional[str], why: str) -> Optional[ParkedRows]:
+        """Stop parking a request's chunks (its later chunks run dense); returns what it had
+        parked."""
+        parked = self.rows.pop(rid, None)
+        if parked is not None:
+            self.refused[rid] = why
+        return parked
 
     def reserve(self, rid: str, prompt_len: int, prefix_len: int) -> bool:
         """May this non-final chunk park? The first chunk of a request decides for all of them:
@@ -78,7 +90,7 @@ class ParkingLot:
         if rid in self.refused or not self.enabled:
             return False
         if prompt_len - prefix_len > self.max_parked_tokens:
-            self.refused.add(rid)
+            self.refused[rid] = "prompt over --uniprefill-max-parked-tokens"
             log_fallback_once("prompt longer than --uniprefill-max-parked-tokens: earlier "
                               "chunks run dense, the final chunk drops among its own tokens")
             return False
@@ -88,3 +100,30 @@ class ParkingLot:
             self.forget(stale)
         self.rows[rid] = ParkedRows(start_pos=prefix_len)
         return True
+
+
+@dataclasses.dataclass
+class JoiningRows:
+    """Parked rows rejoining their requests at the final chunk's first drop, numbered after the
+    step's own rows (row `total + i`)."""
+    positions: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    hidden: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    residual: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    request: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    count: int = 0
+
+    def add(self, b: int, parked: ParkedRows, req_slots: torch.Tensor, total: int) -> torch.Tensor:
+        """Let request b's parked rows rejoin (`req_slots`: its req_to_token row); returns the
+        row numbers they get."""
+        device = req_slots.device
+        hidden, residual = parked.states()
+        span = slice(parked.start_pos, parked.start_pos + parked.count)
+        self.positions.append(torch.arange(span.start, span.stop, device=device))
+        self.slots.append(req_slots[span].to(torch.int64))
+        self.hidden.append(hidden)
+        self.residual.append(residual)
+        self.request.append(torch.full((parked.count,), b, dtype=torch.int64, device=device))
+        rows = total + self.count + torch.arange(parked.count, device=device)
+        self.count += parked.count
+        return rows

@@ -9,7 +9,6 @@ lacks (the host mirror decode plans with).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import List, Optional
 
@@ -17,10 +16,9 @@ import torch
 
 from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
-from uniprefill_sglang.context import DropContext, UniPrefillError, set_current, to_device
-from uniprefill_sglang.kv_validity import KVGaps, LayerStages, SlotStages, check_kv_lens, \
-    gather_seq_slots
-from uniprefill_sglang.parking import ParkingLot
+from uniprefill_sglang.context import DropContext, UniPrefillError, set_current
+from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, SlotStages
+from uniprefill_sglang.parking import JoiningRows, ParkingLot
 from uniprefill_sglang.request_plan import is_prefill_mode
 from uniprefill_sglang.selection import DropCandidates, SelectionRule, select_survivors
 
@@ -38,19 +36,10 @@ def set_runtime(runtime: Optional["UniPrefillRuntime"]) -> None:
     _runtime = runtime
 
 
-@dataclasses.dataclass
-class JoiningRows:
-    """Parked rows of earlier chunks rejoining their requests at the first drop; they are
-    numbered after the step's own rows (row `total + i`)."""
-    positions: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    hidden: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    residual: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    request: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    count: int = 0
-
-
 class UniPrefillRuntime:
+    """UniPrefill in one model runner: the drop schedule, the per-stage KV bookkeeping and the
+    parked rows of chunked prefill, and the steps of a forward."""
+
     def __init__(self, config: UniPrefillConfig, stages: LayerStages, req_to_token_pool,
                  token_to_kv_pool, device, tp_agreement=None):
         self.config = config
@@ -67,6 +56,7 @@ class UniPrefillRuntime:
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
         self.slots = SlotStages(num_slots, stages.num_drops, device)
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
+        self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
         self.parking = ParkingLot(config.max_parked_tokens)
         # Observability: prefill forwards that carried decode rows; prompt tokens that reached
         # a drop with UniPrefill on, and how many were left after the last drop.
@@ -91,15 +81,16 @@ class UniPrefillRuntime:
             ctx.lens = list(fb.extend_seq_lens_cpu)
             ctx.fixed_lens = _prefix_lens(fb)
             ctx.kept.append(list(ctx.lens))
-            ctx.prefix_valid = self._prefix_valid(fb, ctx.fixed_lens)
+            ctx.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, ctx.fixed_lens)
             ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
         elif fb.forward_mode.is_decode() and self.has_schedule:
             rows = self.host_rows(fb)
-            self._refresh_stale_gaps(fb, rows)
+            self.stage_kv.refresh_stale(rows, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
             ctx.kv_gaps = [self.kv_gaps.get(r) for r in rows]
             ctx.sparse = [any(g) for g in ctx.kv_gaps]
             if self.check_kv_lens and any(ctx.sparse):
-                self._check_decode_gaps(fb, ctx.kv_gaps)
+                self.stage_kv.check_decode(fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu,
+                                           ctx.kv_gaps)
         set_current(ctx)
         return ctx
 
@@ -124,64 +115,28 @@ class UniPrefillRuntime:
         KV only, a sparse prefix the views handle)."""
         set_current(None)
         rows = self.host_rows(ctx.forward_batch)
-        req_to_token = self.req_to_token_pool.req_to_token
         for b, d in enumerate(ctx.plan.decisions if ctx.plan else []):
-            parked = self.parking.get(d.rid)
-            if parked is not None:
-                self.slots.mark_dropped(
-                    req_to_token[rows[b], parked.start_pos:parked.start_pos + parked.count], 0)
-                self.parking.forget(d.rid)
-                self.parking.refused.add(d.rid)
+            parked = self.parking.give_up(d.rid, "an earlier step failed in UniPrefill's code")
+            if parked is not None:  # rejoined rows may have been marked written
+                self.slots.mark_dropped(self.req_to_token_pool.req_to_token[
+                    rows[b], parked.start_pos:parked.start_pos + parked.count], 0)
 
     def _record_gaps(self, ctx: DropContext) -> None:
-        """After an extend: per request, the KV each stage after the first lacks, from the
-        host-known counts (valid prefix + rows that entered the stage; a parking chunk's one
-        row past the first drop is marked dropped at end_forward, so it does not count)."""
+        """After an extend: per request, the KV each later stage lacks, from the host-known
+        counts (a parking chunk's one row past the first drop is marked dropped at
+        end_forward, so it does not count)."""
         fb = ctx.forward_batch
-        prefix_lens = _prefix_lens(fb)
-        for b, row in enumerate(self.host_rows(fb)):
-            seq_len = prefix_lens[b] + fb.extend_seq_lens_cpu[b]
+        for b, (row, plen) in enumerate(zip(self.host_rows(fb), _prefix_lens(fb))):
             ghost = 1 if b in ctx.parked_now else 0
-            gaps = [seq_len - ctx.prefix_valid[b][s] - (ctx.kept[min(s, len(ctx.kept) - 1)][b]
-                                                        - ghost)
-                    for s in range(1, self.stages.num_drops + 1)]
-            if self.test_fault == "kv_gaps":
-                gaps = [g - 1 for g in gaps]
-            if any(g < 0 for g in gaps):
-                # An inconsistent host mirror must not take the server down: the device's slot
-                # map is the truth, read back before the row's next decode.
-                logger.error("UniPrefill: negative KV gaps %s for request row %d; re-reading "
-                             "them from the device", gaps, row)
-                self.kv_gaps.invalidate(row)
-            else:
-                self.kv_gaps.set(row, gaps)
-
-    def _refresh_stale_gaps(self, fb, rows: list) -> None:
-        """Rows whose host gaps are unknown (an inconsistency, or the radix cache swapped their
-        slots for shared ones): recount them from the device slot map (one sync)."""
-        stale = [b for b, r in enumerate(rows) if self.kv_gaps.is_stale(r)]
-        if not stale:
-            return
-        idx = to_device(stale, torch.int64, fb.req_pool_indices.device)
-        seq_lens = fb.seq_lens_cpu[stale].to(torch.int64)
-        valid = self._seq_valid_counts(fb.req_pool_indices[idx], fb.seq_lens[idx],
-                                       int(seq_lens.sum())).cpu()
-        for i, b in enumerate(stale):
-            self.kv_gaps.set(rows[b], (seq_lens[i] - valid[i, 1:]).tolist())
-
-    def _seq_valid_counts(self, req_pool_indices, seq_lens, n: int) -> torch.Tensor:
-        """[bs, D + 1] on the device: per request, how many slots of positions [0, seq_len)
-        hold KV for each stage (n = the lengths' sum, host-known)."""
-        seq = gather_seq_slots(self.req_to_token_pool.req_to_token, req_pool_indices, seq_lens, n)
-        return self.slots.valid_counts(seq.slots, seq.row, req_pool_indices.shape[0])
-
-    def _check_decode_gaps(self, fb, gaps) -> None:
-        """Debug: the host gaps of a decode batch agree with the device's slot stages."""
-        seq_lens = fb.seq_lens_cpu[:len(gaps)].to(torch.int32)
-        device = self._seq_valid_counts(fb.req_pool_indices[:len(gaps)], fb.seq_lens[:len(gaps)],
-                                        int(seq_lens.sum()))[:, 1:]
-        host = seq_lens.unsqueeze(1) - torch.tensor(gaps, dtype=torch.int32)
-        check_kv_lens(host, device, "decode, valid KV per request and stage from the host gaps")
+            entered = [ctx.kept[min(s, len(ctx.kept) - 1)][b] - ghost
+                       for s in range(1, self.stages.num_drops + 1)]
+            if not self.stage_kv.record_extend(row, plen + fb.extend_seq_lens_cpu[b],
+                                               ctx.prefix_valid[b], entered,
+                                               corrupt=self.test_fault == "kv_gaps"):
+                # An inconsistent host mirror must not take the server down: the device's
+                # slot map is the truth, read back before the row's next decode.
+                logger.error("UniPrefill: inconsistent KV gaps for request row %d; re-reading "
+                             "them from the device", row)
 
     @staticmethod
     def host_rows(fb) -> list:
@@ -190,22 +145,6 @@ class UniPrefillRuntime:
         if rows is None or len(rows) != fb.batch_size:
             rows = fb.req_pool_indices.tolist()
         return rows
-
-    def _prefix_valid(self, fb, prefix_lens: list) -> list:
-        """Per request, per stage 0..D: how many slots of its cached prefix hold KV for that
-        stage (one device read per batch with a prefix)."""
-        valid = [[plen] * (self.stages.num_drops + 1) for plen in prefix_lens]
-        with_prefix = [b for b, plen in enumerate(prefix_lens) if plen > 0]
-        if not self.has_schedule or not with_prefix:
-            return valid
-        device = fb.req_pool_indices.device
-        lens = [prefix_lens[b] for b in with_prefix]
-        counts = self._seq_valid_counts(
-            fb.req_pool_indices[to_device(with_prefix, torch.int64, device)],
-            to_device(lens, torch.int64, device), sum(lens)).tolist()
-        for b, c in zip(with_prefix, counts):
-            valid[b] = c
-        return valid
 
     # ---- the drop ----------------------------------------------------------------------
     def drop(self, ctx: DropContext, layer, q: torch.Tensor) -> None:
@@ -232,9 +171,11 @@ class UniPrefillRuntime:
         for b, seg in parking:
             self._park(ctx, b, seg, q, keep, stage)
         ctx.kept.append(list(ctx.lens))
-        self._compact(ctx, keep, joining, rows_per_request)
+        if joining.count:  # surviving parked rows get the later layers' KV in this forward
+            self.slots.mark_written(torch.cat(joining.slots)[keep[sum(rows_per_request):]])
+        ctx.shrink(keep, joining, rows_per_request, park_sink=self.parking.append)
         if self.report_kept_positions:
-            ctx.kept_digest.append(position_digest(ctx))
+            ctx.kept_digest.append(ctx.position_digest())
         if self.check_kv_lens:
             self._check_extend_lens(ctx, stage + 1)
 
@@ -259,12 +200,13 @@ class UniPrefillRuntime:
                 parking.append((b, own))
                 continue
             if first_drop and d.rid in self.parking.refused:
+                why = self.parking.refused[d.rid]
                 if d.park:
-                    ctx.note(b, "non-final chunk of a prompt over the parking budget: runs dense")
+                    ctx.note(b, f"non-final chunk, not parked ({why}): runs dense")
                 elif d.enabled:  # its final chunk: nothing to remember after it
-                    self.parking.refused.discard(d.rid)
-                    ctx.note(b, "prompt over --uniprefill-max-parked-tokens: drops among its "
-                                "final chunk's tokens only")
+                    del self.parking.refused[d.rid]
+                    ctx.note(b, f"earlier chunks not parked ({why}): drops among its final "
+                                "chunk's tokens only")
             if not d.enabled:
                 continue
             parked = self.parking.get(d.rid) if first_drop else None
@@ -276,23 +218,15 @@ class UniPrefillRuntime:
                 ctx.note(b, "too few new tokens to score")
                 continue
             rows, own_q, own_q_pos = own, q[start:start + n], ctx.positions[start:start + n]
-            fixed_len, joined = ctx.fixed_lens[b], 0
-            if parked is not None:  # candidates: parked rows of earlier chunks, then this step's
-                joined, fixed_len = parked.count, parked.start_pos
-                hidden, residual = parked.states()
-                span = slice(parked.start_pos, parked.start_pos + joined)
-                joining.positions.append(torch.arange(span.start, span.stop, device=device))
-                joining.slots.append(req_to_token[req_rows[b], span].to(torch.int64))
-                joining.hidden.append(hidden)
-                joining.residual.append(residual)
-                joining.request.append(torch.full((joined,), b, dtype=torch.int64, device=device))
-                rows = torch.cat([total + joining.count + torch.arange(joined, device=device), own])
-                joining.count += joined
-                ctx.fixed_lens[b] = fixed_len  # the parked rows are rows of this request now
-                if joined + n > n and n < self.config.last_queries and parked.last_q is not None:
-                    own_q = torch.cat([parked.last_q.to(own_q.dtype), own_q])  # short final chunk
-                    own_q_pos = torch.cat([parked.last_q_pos, own_q_pos])
+            joined = parked.count if parked is not None else 0
             num_q = min(self.config.last_queries, joined + n)
+            if parked is not None:  # candidates: parked rows of earlier chunks, then this step's
+                rows = torch.cat([joining.add(b, parked, req_to_token[req_rows[b]], total), own])
+                ctx.fixed_lens[b] = parked.start_pos  # the parked rows are this request's rows now
+                if num_q > n:  # a final chunk shorter than the query window borrows queries
+                    own_q = torch.cat([parked.last_q.to(own_q.dtype), own_q])
+                    own_q_pos = torch.cat([parked.last_q_pos, own_q_pos])
+            fixed_len = ctx.fixed_lens[b]
             queries.append(own_q[-num_q:]), query_pos.append(own_q_pos[-num_q:])
             prefix_slots, prefix_pos = self.slots.valid_slots(
                 req_to_token[req_rows[b], :fixed_len], stage)
@@ -349,58 +283,14 @@ class UniPrefillRuntime:
         ctx.sparse[b] = True
         ctx.lens[b] = 1
 
-    def _compact(self, ctx, keep, joining: JoiningRows, rows_per_request: list) -> None:
-        """Shrink the context to the kept rows; the hidden states follow at the next layer
-        hook (`DropContext.apply_pending`). Rejoining parked rows are placed ahead of their
-        request's new rows."""
-        total = sum(rows_per_request)
-        positions = torch.cat([ctx.positions.to(torch.int64)] + joining.positions)
-        slots = torch.cat([ctx.out_cache_loc.to(torch.int64)] + joining.slots)
-        if joining.count:
-            self.slots.mark_written(slots[total:][keep[total:]])
-        rows = torch.nonzero(keep, as_tuple=True)[0]
-        if rows.numel() == total and not joining.count and not ctx.to_park:
-            return
-        if joining.count:  # order by (request, position)
-            request = torch.cat([torch.repeat_interleave(
-                torch.arange(len(ctx.lens), device=keep.device),
-                to_device(rows_per_request, torch.int64, keep.device))]
-                + joining.request)
-            key = request[rows] * (int(positions.max()) + 1) + positions[rows]
-            rows = rows[torch.argsort(key, stable=True)]
-            ctx.extra_hidden = torch.cat(joining.hidden)
-            ctx.extra_residual = torch.cat(joining.residual)
-        ctx.positions = positions.index_select(0, rows).to(ctx.positions.dtype)
-        ctx.out_cache_loc = slots.index_select(0, rows).to(ctx.out_cache_loc.dtype)
-        if ctx.pending_rows is not None:  # a previous drop's gather was never applied
-            rows = ctx.pending_rows.index_select(0, rows)
-        else:
-            ctx.rows_before_pending = total
-        ctx.park_sink = lambda rid, hidden, residual: self.parking.get(rid).append(hidden,
-                                                                                   residual)
-        ctx.pending_rows = rows
-        ctx.compacted = True
-
     def _check_extend_lens(self, ctx: DropContext, stage: int) -> None:
-        """Debug: the KV a request holds for the layers after this drop is, as the extend views
-        assume, its valid prefix plus the rows still alive."""
         fb = ctx.forward_batch
-        seq_lens = [p + n for p, n in zip(_prefix_lens(fb), fb.extend_seq_lens_cpu)]
-        device = self._seq_valid_counts(fb.req_pool_indices, fb.seq_lens, sum(seq_lens))
-        host = torch.tensor([p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)])
-        check_kv_lens(host, device[:, stage], f"extend after a drop, stage {stage}")
+        self.stage_kv.check_extend(
+            fb.req_pool_indices, fb.seq_lens,
+            [p + n for p, n in zip(_prefix_lens(fb), fb.extend_seq_lens_cpu)],
+            [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)], stage)
 
 
 def _prefix_lens(fb) -> list:
     """Per request of an extend, the tokens before its new ones (cached or earlier chunks)."""
     return list(fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu))
-
-
-def position_digest(ctx: DropContext) -> list:
-    """Per request, a fingerprint of the positions that survive the current drop."""
-    pos = ctx.positions.to(torch.int64)
-    seg = torch.repeat_interleave(torch.arange(len(ctx.lens), device=pos.device),
-                                  torch.tensor(ctx.lens, device=pos.device))
-    digest = torch.zeros(len(ctx.lens), dtype=torch.int64, device=pos.device)
-    digest.index_add_(0, seg, pos * pos % 1000003 + pos)
-    return digest.tolist()

@@ -22,8 +22,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from uniprefill_sglang.context import CheckFailed
 
-class TPAgreementError(RuntimeError):
+
+class TPAgreementError(CheckFailed):
     """Ranks of one TP group selected different tokens."""
 
 

@@ -1,0 +1,79 @@
+"""The drop's selection on its own: `select_survivors` (the kernels) against its plain reference,
+on fresh random batches: several requests, cached prefixes that are scored but never candidates,
+GQA, top-p and keep ratios, blocks cut short at the end of a request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from uniprefill_sglang.selection import (
+    DropCandidates,
+    SelectionRule,
+    select_survivors,
+    select_survivors_reference,
+)
+
+
+def random_batch(seed: int, heads=(4, 2), dim=16, num_slots=4096):
+    """A batch of 1-4 requests with random keys in a slot pool and random queries."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    key_buffer = torch.randn(num_slots, hkv, dim, generator=gen) * rng.choice([0.5, 2.0, 4.0])
+    free = torch.randperm(num_slots, generator=gen).tolist()
+    c = DropCandidates(None, None, [], None, None, [], [], [], [])
+    queries, query_pos, slots, positions = [], [], [], []
+    for _ in range(rng.randint(1, 4)):
+        prefix, new = rng.choice([0, 0, 7, 150]), rng.randint(1, 700)
+        n = prefix + new
+        # A prefix whose earlier tokens were dropped: its positions have holes.
+        pos = sorted(rng.sample(range(prefix + rng.randint(0, 40)), prefix)) + list(
+            range(prefix + 40, prefix + 40 + new))
+        num_q = min(rng.choice([1, 16, 64]), new)
+        slots.append(torch.tensor([free.pop() for _ in range(n)]))
+        positions.append(torch.tensor(pos))
+        queries.append(torch.randn(num_q, hq, dim, generator=gen))
+        query_pos.append(torch.tensor(pos[-num_q:]))
+        c.query_counts.append(num_q)
+        c.key_counts.append(n)
+        c.prefix_counts.append(prefix)
+        ratio = rng.choice([0.0, 0.0, 0.3, 0.5, 1.0])
+        c.keep_ratio.append(ratio)
+        c.top_p.append(rng.choice([0.5, 0.9, 0.99, 1.0]))
+    c.queries, c.query_pos = torch.cat(queries), torch.cat(query_pos)
+    c.key_slots, c.key_pos = torch.cat(slots), torch.cat(positions)
+    rule = SelectionRule(block_size=rng.choice([8, 32, 64]), sink_tokens=rng.choice([0, 16]),
+                         last_window=rng.choice([0, 8]))
+    return c, key_buffer, dim ** -0.5, rule
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_select_survivors_matches_the_reference(seed, monkeypatch):
+    monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
+    cands, key_buffer, scale, rule = random_batch(seed)
+    keep_idx, counts = select_survivors(cands, key_buffer, scale, rule)
+    want_idx, want_counts = select_survivors_reference(cands, key_buffer, scale, rule)
+    assert counts.tolist() == want_counts.tolist()
+    assert keep_idx.tolist() == want_idx.tolist()
+    num_candidates = sum(k - p for k, p in zip(cands.key_counts, cands.prefix_counts))
+    assert 0 < len(want_idx) <= num_candidates
+    assert all(0 < c for c in want_counts.tolist())  # the top block always survives
+
+
+def test_reference_keeps_the_attended_block():
+    """One query that attends to one block only: top-p keeps that block (and the sinks)."""
+    dim, n = 8, 256
+    key_buffer = torch.zeros(n, 1, dim)
+    key_buffer[100:108, 0, 0] = 50.0  # the only keys the query aligns with
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
+                           [0], [0.9], [0.0])
+    rule = SelectionRule(block_size=32, sink_tokens=4, last_window=0)
+    keep_idx, counts = select_survivors_reference(cands, key_buffer, dim ** -0.5, rule)
+    assert keep_idx.tolist() == list(range(4)) + list(range(96, 128))
+    got_idx, got_counts = select_survivors(cands, key_buffer, dim ** -0.5, rule)
+    assert got_idx.tolist() == keep_idx.tolist() and got_counts.tolist() == counts.tolist()

@@ -1,0 +1,143 @@
+"""Many chat prompts at once with the radix cache on: a short common prefix (the chat template's
+system turn), chunked prefill, and UniPrefill knobs that drop nothing, the default, and a mix.
+
+A chunk parked at the first drop layer used to enter the radix tree: where another request had
+inserted the same leading tokens first, SGLang pointed the chunk at the shared slots and the
+final chunk counted them twice, which killed the scheduler at top-p 1.0 (a negative KV gap) and
+silently miscounted at lower top-p. Every engine here checks the host KV lengths against the
+device at each drop and decode step (UNIPREFILL_CHECK_KV_LENS), which catches such a miscount.
+
+The second part forces UniPrefill's own code to fail (UNIPREFILL_TEST_FAULT, a test-only switch):
+the engine must answer every request (dense, saying why) and keep serving.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
+CHUNK = 512  # several prompts per prefill step, the last one of a step chunked
+
+
+def _document(seed: int, sentences: int) -> str:
+    rng = random.Random(seed)
+    names = ["Ada", "Bruno", "Chen", "Dana", "Emil", "Farah"]
+    places = ["the harbour", "the library", "a small farm", "the old mill", "the station"]
+    return " ".join(f"{rng.choice(names)} walked to {rng.choice(places)} on day "
+                    f"{rng.randint(1, 300)}." for _ in range(sentences))
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2_path):
+    """Eight chat prompts of about 350-1100 tokens sharing the template's system turn."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = []
+    for i in range(8):
+        messages = [{"role": "user", "content": _document(i, 25 + 10 * i)
+                     + "\nWho walked to the library last?"}]
+        prompts.append(tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=True))
+    return prompts
+
+
+def _engine(factory, **kwargs):
+    return factory(enable_uniprefill=True, chunked_prefill_size=CHUNK, max_prefill_tokens=CHUNK,
+                   **kwargs)
+
+
+def _generate(engine, prompts, knobs):
+    """One call with every prompt (they are scheduled together), per-request knobs, then an
+    empty radix cache so the next call starts cold again."""
+    params = [{**GREEDY, "custom_params": k} for k in knobs]
+    outs = engine.generate(prompts, params)
+    deadline = time.monotonic() + 60
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline, "radix cache flush kept being refused"
+        time.sleep(0.2)
+    return outs
+
+
+def _texts(outs):
+    return [o["text"] for o in outs]
+
+
+def _reasons(out):
+    return [e["reason"] for e in out["meta_info"]["uniprefill"] if e["reason"] != "decode"]
+
+
+def _assert_idle_without_leak(engine):
+    deadline = time.monotonic() + 30
+    while True:
+        state = engine.get_server_info()["internal_states"][0]["uniprefill"]
+        if state["idle"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert state["idle"] and state["protected_kv_tokens"] == 0, state
+    assert state["available_kv_tokens"] + state["evictable_kv_tokens"] == \
+        state["max_total_num_tokens"], state
+    assert state["free_req_slots"] == state["req_slots"] and state["parked_requests"] == 0, state
+
+
+def test_shared_prefix_batches_with_every_knob(engine_factory, chat_prompts, monkeypatch):
+    monkeypatch.setenv("UNIPREFILL_CHECK_KV_LENS", "1")
+    engine = _engine(engine_factory, uniprefill_top_p=1.0)
+    n = len(chat_prompts)
+    dense = _texts(_generate(engine, chat_prompts, [{"uniprefill": False}] * n))
+    top_p_one = _generate(engine, chat_prompts, [{}] * n)  # the server's top-p 1.0
+    keep_all = _generate(engine, chat_prompts, [{"uniprefill_keep_ratio": 1.0}] * n)
+    default = _generate(engine, chat_prompts, [{"uniprefill_top_p": 0.99}] * n)
+    mixed_knobs = [{"uniprefill_top_p": 0.9}, {"uniprefill": False}, {},
+                   {"uniprefill_keep_ratio": [0.5, 0.8]}, {"uniprefill_keep_ratio": 1.0},
+                   {"uniprefill_top_p": 0.99}, {}, {"uniprefill": False}]
+    mixed = _generate(engine, chat_prompts, mixed_knobs)
+
+    assert dense.count(dense[0]) < n, "the prompts should not all get one answer"
+    # Nothing dropped: token-identical to dense (the common prefix is inside the sinks).
+    assert _texts(top_p_one) == dense
+    assert _texts(keep_all) == dense
+    for i, knob in enumerate(mixed_knobs):
+        if knob in ({}, {"uniprefill": False}, {"uniprefill_keep_ratio": 1.0}):
+            assert mixed[i]["text"] == dense[i], (i, knob)
+    # The knobs that drop did drop, on the requests long enough for it.
+    kept = [o["meta_info"]["uniprefill"][-1]["kept_tokens"] for o in default + mixed[3:4]]
+    assert any(k[-1] < k[0] for k in kept), kept
+    # Some requests reused the cached system turn, some prompts were chunked.
+    assert any(o["meta_info"]["cached_tokens"] > 0 for o in top_p_one + mixed)
+    assert any(len(_reasons(o)) > 1 for o in top_p_one), "no prompt was chunked"
+    _assert_idle_without_leak(engine)
+
+
+@pytest.mark.parametrize("fault", ["drop", "kv_gaps"])
+def test_a_fault_in_uniprefill_never_fails_a_request(engine_factory, chat_prompts, monkeypatch,
+                                                     fault):
+    """'drop': every drop raises; the forward runs again dense and each request says why.
+    'kv_gaps': every extend records wrong host KV gaps; they are caught and re-read from the
+    device, so the outputs are those of a healthy engine."""
+    monkeypatch.setenv("UNIPREFILL_CHECK_KV_LENS", "1")
+    prompts = chat_prompts[:4]
+    healthy = _engine(engine_factory, uniprefill_keep_ratio="0.5")
+    want_dense = _texts(_generate(healthy, prompts, [{"uniprefill": False}] * len(prompts)))
+    want_dropped = _texts(_generate(healthy, prompts, [{}] * len(prompts)))
+    engine_factory.shutdown_all()
+
+    monkeypatch.setenv("UNIPREFILL_TEST_FAULT", fault)
+    engine = _engine(engine_factory, uniprefill_keep_ratio="0.5")
+    outs = _generate(engine, prompts, [{}] * len(prompts))
+    after = engine.generate(prompts[0], GREEDY)  # the engine keeps serving
+    if fault == "drop":
+        assert _texts(outs) == want_dense
+        for out in outs:
+            assert any("UniPrefill error, ran dense: UniPrefillError" in r
+                       for r in _reasons(out)), out["meta_info"]["uniprefill"]
+        assert after["text"] == want_dense[0]
+    else:
+        assert _texts(outs) == want_dropped
+        assert after["text"] == want_dropped[0]
+    _assert_idle_without_leak(engine)
