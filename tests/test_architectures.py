@@ -16,6 +16,8 @@ import pytest
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
+pytestmark = pytest.mark.engine
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 

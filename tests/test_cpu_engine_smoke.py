@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.engine
+
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
+pytestmark = pytest.mark.engine
+
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 DECODE_48 = {"temperature": 0.0, "max_new_tokens": 64, "ignore_eos": True}
 META = "uniprefill"

@@ -65,6 +65,7 @@ def test_checker_matches_whole_answers_only(tokenizer):
     assert not n.check(" " + n.answers[0] + "1")  # a longer number is not the answer
 
 
+@pytest.mark.engine
 def test_suite_end_to_end_on_the_cpu_engine(tmp_path, tokenizer):
     suite = _load_suite()
     out = tmp_path / "smoke.json"

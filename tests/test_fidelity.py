@@ -15,6 +15,8 @@ import pytest
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
+pytestmark = pytest.mark.engine
+
 LENGTHS = (1024, 2048, 4096, 6144)
 DEPTHS = (0.1, 0.5, 0.9)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}

