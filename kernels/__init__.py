@@ -4,7 +4,6 @@ Public API (installed as ``uniprefill_sglang.kernels``):
 
 * ``score_tokens(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale, max_q=None, max_k=None, out=None)``
 * ``select_tokens(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio, sink_tokens, last_window)``
-* ``compact_rows(index, *tensors)``
 
 Dispatch: Triton when the tensors are on CUDA, or when env
 ``UNIPREFILL_FORCE_TRITON=1`` (CPU tensors then need ``TRITON_INTERPRET=1`` set
@@ -24,7 +23,6 @@ from uniprefill_sglang import environ
 from .reference import (
     RATIO_EPS,
     block_scores_reference,
-    compact_rows_reference,
     num_blocks_for_ratio,
     num_blocks_for_top_p,
     score_segment_reference,
@@ -36,7 +34,6 @@ from .reference import (
 __all__ = [
     "score_tokens",
     "select_tokens",
-    "compact_rows",
     "use_triton",
     "score_tokens_reference",
     "select_tokens_reference",
@@ -138,7 +135,3 @@ def select_tokens(
     return select_tokens_reference(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio,
                                    sink_tokens, last_window)
 
-
-def compact_rows(index: torch.Tensor, *tensors) -> tuple:
-    """Gather rows (dim 0) of each tensor by ``index`` (int64); None passes through."""
-    return compact_rows_reference(index, *tensors)

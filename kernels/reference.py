@@ -241,7 +241,3 @@ def select_tokens_reference(
         keep_idx_t = torch.zeros(0, dtype=torch.int64, device=device)
     return keep_idx_t, torch.tensor(counts, dtype=torch.int32, device=device)
 
-
-def compact_rows_reference(index: torch.Tensor, *tensors):
-    """Gather rows (dim 0) of each tensor by ``index``; None passes through."""
-    return tuple(None if t is None else t.index_select(0, index.to(device=t.device)) for t in tensors)

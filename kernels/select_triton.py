@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-RATIO_EPS = 1e-6  # keep in sync with reference.RATIO_EPS
+from .reference import RATIO_EPS
 
 
 @triton.jit

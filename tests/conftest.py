@@ -3,7 +3,7 @@
 On a machine without CUDA (or with ``UNIPREFILL_CPU_ENGINE=1``) this conftest switches SGLang to
 its CPU engine *at import time*, before any test module can import ``sglang``: it sets
 ``SGLANG_USE_CPU_ENGINE=1`` and puts ``tests/stubs`` (the test-only ``sgl_kernel`` stand-in) first
-on ``PYTHONPATH`` and ``sys.path`` (see ``uniprefill_sglang/cpu_engine.py``). With CUDA present
+on ``PYTHONPATH`` and ``sys.path`` (see ``uniprefill_sglang/tools/cpu_engine.py``). With CUDA present
 (or ``UNIPREFILL_CPU_ENGINE=0``) nothing is changed.
 
 Engines are expensive here (about 20 s to start on 2 idle cores, a minute when the box is busy),

@@ -34,7 +34,6 @@ if _RUN_IN_PROCESS:
 
 import uniprefill_sglang.kernels as K  # noqa: E402
 from uniprefill_sglang.kernels import (  # noqa: E402
-    compact_rows,
     score_tokens,
     score_tokens_reference,
     select_tokens,
@@ -579,17 +578,3 @@ def test_score_then_select_end_to_end():
     assert torch.equal(i1, i2) and torch.equal(c1, c2)
     assert c1[1] == 30
 
-
-# ---------------------------------------------------------------------------
-# compact_rows
-# ---------------------------------------------------------------------------
-
-
-def test_compact_rows():
-    idx = torch.tensor([0, 2, 5], dtype=torch.int64)
-    a = torch.arange(12).view(6, 2)
-    b = torch.randn(6, 3, 4)
-    ca, none, cb = compact_rows(idx, a, None, b)
-    assert none is None
-    assert torch.equal(ca, a[idx]) and torch.equal(cb, b[idx])
-    assert compact_rows(idx) == ()

@@ -102,7 +102,7 @@ def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, 
         order = sorted(range(len(blocks)), key=lambda i: (-blocks[i], i))
         ratio, total = cands.keep_ratio[b], sum(blocks)
         if ratio > 0:
-            num_kept = max(1, min(len(blocks), math.ceil(ratio * len(blocks) * (1 - 1e-6))))
+            num_kept = max(1, min(len(blocks), math.ceil(ratio * len(blocks) * (1 - kernels.RATIO_EPS))))
         elif cands.top_p[b] >= 1.0 or total <= 0:
             num_kept = len(blocks)
         else:

@@ -251,9 +251,7 @@ def test_select_keep_all_and_ties():
 
 
 def test_pipeline_end_to_end():
-    """score -> select -> compact on a Llama-like batch; compare with the reference pipeline."""
-    from uniprefill_sglang.kernels import compact_rows
-
+    """score -> select on a Llama-like batch; compare with the reference pipeline."""
     b, max_q, max_k = make_batch(11, [(128, 16384), (128, 8192)], 32, 8, 128, noncontig=False, q_scale=3.0)
     scores = score_tokens(**b, max_q=max_q, max_k=max_k)
     ref = oracle(b).float()
@@ -264,6 +262,4 @@ def test_pipeline_end_to_end():
     idx2, cnt2 = select_tokens(scores, b["k_pos"], b["k_indptr"], torch.tensor(cand, device=DEV), 64,
                                torch.tensor(tp, device=DEV), torch.zeros(2, device=DEV), 4, 128)
     assert torch.equal(idx, idx2) and torch.equal(cnt, cnt2)
-    rows = torch.randn(16384 - 1024 + 8192, 4, device=DEV)  # one row per candidate
-    (kept,) = compact_rows(idx, rows)
-    assert kept.shape[0] == int(cnt.sum())
+    assert idx.numel() == int(cnt.sum()) and bool((idx[1:] > idx[:-1]).all())
