@@ -1,158 +1,198 @@
-"""Prepacking comparison: prefill one batch of very unequal prompts four ways, same model, one run.
+"""Prepacking against padding, length-ordered batches and SGLang, measured as the Prepacking paper did.
 
-Methods (all produce each prompt's next-token logits; nothing is decoded beyond that):
+Prepacking (Zhao et al., 2024, arXiv:2404.09529; its repository's ``profiling_time_and_memory.py``)
+times batches of prompts drawn from a dataset, per batch, in Hugging Face transformers, three ways:
+padding each batch to its longest prompt ("full-batching"), batches of consecutive prompts of the
+length-sorted dataset ("length-ordered"), and Prepacking. It reports the mean time per batch of
+two metrics and the peak GPU memory (``torch.cuda.max_memory_allocated``, weights included) over
+the batches. This script does the same on token ids it generates, and adds SGLang.
 
-  hf_padded     Hugging Face transformers, right padding to the longest prompt, 2D mask.
-  hf_packed     The same HF model, Prepacking (Zhao et al., 2024): prompts bin-packed into rows by
-                first-fit decreasing (row capacity = the longest prompt), block-diagonal causal
-                4D mask, positions restarting per prompt
-                (``uniprefill_sglang/tools/prepacking.py``).
-  sglang_dense  SGLang's ragged (varlen) prefill: all prompts sent at once as one
-                ``engine.generate(input_ids=[...], max_new_tokens=1)`` call, UniPrefill off per
-                request (``custom_params={"uniprefill": False}``).
-  sglang_uniprefill  The same engine and call with UniPrefill on; prompts shorter than
-                ``--uniprefill-min-prompt-tokens`` (default 1024) run dense, the long ones drop.
+Methods (one run, same model shape, same prompts):
 
-Workload (``make_workload``): ``--num-prompts`` lengths drawn log-uniformly between
-``--min-len`` and ``--max-len`` (``L = round(exp(U(ln min, ln max)))``, so every octave holds
-about the same number of prompts: 32..4096 gives a mean of ~(4096-32)/ln 128 = 838 tokens and a
-long tail), with a fixed ``--seed``; token ids uniform in ``[100, vocab - 100)``. The same prompts
-go to every method.
+  hf_padded     HF, random batches, each padded to its longest prompt (left padding, as
+                ``generate`` needs).
+  hf_lenorder   HF, the pool sorted by length and cut into consecutive batches, padded (left).
+  hf_packed     HF, random batches (the same as hf_padded), Prepacking
+                (``uniprefill_sglang/tools/prepacking.py``): first-fit-decreasing rows as wide as
+                the longest prompt, block-diagonal causal 4D mask, positions restarting per prompt.
+  sglang_dense  SGLang's ragged prefill: each batch as one ``engine.generate(input_ids=[...],
+                max_new_tokens=1)`` call, UniPrefill off per request.
+  sglang_uniprefill  The same engine and batches with UniPrefill on (keep schedule
+                ``--keep-ratio``, default 0.5,0.8 with random weights; prompts shorter than
+                ``--uniprefill-min-prompt-tokens``, default 1024, run dense).
 
-Timing: each method is warmed up once (on the ``--warmup-prompts`` shortest prompts of the
-workload; default all of them), then the whole batch is run ``--repeats`` times and the median wall time is
-reported. The HF methods are timed from token-id lists to the logits (building the padded or
-packed tensors, the 4D mask included, counts); the SGLang methods from ``generate`` call to
-return (IPC, scheduling and one sampling step included). The HF methods run first, in
-alternating order; the HF model is then freed and the SGLang engine started, and the two SGLang
-methods alternate too. On GPU every HF timing is bracketed by ``torch.cuda.synchronize()``.
+Metrics (the paper's two):
 
-Memory (what each number is):
+  prefill  One forward over the batch that builds every prompt's KV cache (``use_cache=True``)
+           and the last position's logits. (The paper's prefill profile kept HF's default logits
+           at every position; we compute the last position only, as ``generate`` does, so its
+           padded memory is larger than ours by batch x width x vocab logits.)
+  ttft     Time to first token as the paper defines it. Padded and length-ordered: one forward
+           over the left-padded batch keeping the cache, first token = argmax of the last
+           position (``generate(max_new_tokens=1)``). Prepacking: packed prefill of every prompt
+           but its last token, unpack the KV into the left-padded cache, one step over the last
+           tokens, argmax. SGLang: the ``generate`` call (scheduling, prefill, first token), which
+           is also the only SGLang time reported (it has no separate prefill figure here).
 
-  * HF on CUDA: ``torch.cuda.max_memory_allocated()`` during one batch minus the memory allocated
-    before it (weights), i.e. the activation peak of the batch; weights reported separately.
-  * HF on CPU: the peak resident set size of this process during one batch minus its RSS just
-    before (``VmHWM`` after resetting it through ``/proc/self/clear_refs``, and ``malloc_trim``
-    before each batch so that freed heap is returned first), i.e. activation and mask memory
-    that the batch touched. Weights were resident already and are not in it.
-  * SGLang on CPU: the same peak-RSS delta, measured on the scheduler process (where the model
-    runs). The KV pool is preallocated at start; SGLang's own figures for it
-    (``memory_usage``: weights, KV cache in GB, token capacity) are reported beside it. Pool
-    pages first written during the batch would count in the delta.
-  * SGLang on CUDA: the scheduler is another process, so its allocator cannot be queried from
-    here. Reported: SGLang's ``memory_usage`` (weights and the preallocated KV pool) and the
-    device memory in use (``cudaMemGetInfo``, all processes) before the engine starts, after it
-    started and after each method's runs; the rise after a method's runs is the activation
-    memory its caching allocator reserved (monotone: the second method only shows growth beyond
-    the first).
+The tokenisation is not timed (ids are generated); building the padded or packed tensors, the 4D
+mask included, is. GPU timings are bracketed by ``torch.cuda.synchronize()``. Each method is
+warmed up on the pool's shortest batch, then every batch of the pool is run ``--repeats`` times;
+the mean per batch is reported (and the median of the per-pass means). As in the paper, the
+CUDA cache is emptied before every batch, so allocation is inside the timed span.
 
-Correctness side checks (reported, not timed): the packed and padded logits of each prompt agree
-(max relative error); with real weights, SGLang's greedy token for each prompt (dense) against
-the HF argmax.
+Memory: HF on CUDA: ``torch.cuda.max_memory_allocated`` over each batch, weights included (as the
+paper), and the same above the weights. HF on CPU: peak RSS above the RSS before the batch.
+SGLang preallocates its memory: weights and a KV pool sized by ``--mem-fraction-static``; the
+batch runs inside it or waits (it never fails for memory), so its figure is that pool, from
+SGLang's own ``memory_usage``.
 
-CPU (SGLang's CPU engine, SmolLM2-135M-Instruct, fp32):
+Largest batch before OOM (CUDA, the ``--sweep-profile`` only): after the timed batch sizes, one
+batch of 2x, 4x, ... prompts of the same profile per HF method and metric until it runs out of
+memory or reaches ``--oom-cap`` prompts. hf_lenorder is not in that search: with one batch, the
+sorted pool is the padded batch.
 
-    python benchmarks/bench_prepacking.py --device cpu --num-prompts 8 --repeats 2 --warmup-prompts 3
+Length profiles (``PROFILES``; lengths in tokens, drawn with ``random.Random(seed)``, token ids
+uniform in [100, vocab - 100) from ``torch.Generator``). They stand in for the paper's datasets'
+shapes; they are not measured from those datasets:
 
-GPU (one H200, Llama-3.1-8B shape, random weights: HF bf16 from config.json, SGLang dummy):
+  mmlu      short instruction prompts: lognormal, median 50, sigma 0.9, clipped to [8, 2048]
+  wiki256   wiki chunks: 30% headings uniform in [4, 16], else lognormal median 160, sigma 0.7;
+            truncated at 256 (as the paper's wikitext256)
+  wiki512   the same, truncated at 512
+  dialogue  long-tailed dialogue (like hh-rlhf, samsum): lognormal median 220, sigma 1.0,
+            clipped to [16, 4000]
+  long      long prompts: log-uniform in [1024, 32768]
 
-    python benchmarks/bench_prepacking.py --device cuda --model-path benchmarks/models/llama-3.1-8b
+CPU smoke run (SmolLM2-135M, seconds of HF and one SGLang CPU engine start):
 
-Writes ``benchmarks/results/prepacking_<device>.json`` (``--out``) and prints a table.
+    python benchmarks/bench_prepacking.py --device cpu --profiles mmlu --pool 8 --batch-size 4 \\
+        --max-len 64 --out /tmp/prepacking_smoke.json
+
+GPU (one H200; random bf16 weights from config.json, SGLang's dummy weights):
+
+    python benchmarks/bench_prepacking.py --device cuda \\
+        --model-path benchmarks/models/sheared-llama-1.3b
+    python benchmarks/bench_prepacking.py --device cuda --model-path benchmarks/models/llama-3.1-8b \\
+        --profiles long --pool 16 --batch-size 16 --sweep-profile none
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import math
 import os
-import platform
+import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from result_header import result_header
 
-METHODS = ("hf_padded", "hf_packed", "sglang_dense", "sglang_uniprefill")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_header import result_header  # noqa: E402
+
+HF_METHODS = ("hf_padded", "hf_lenorder", "hf_packed")
+SG_METHODS = ("sglang_dense", "sglang_uniprefill")
+METHODS = HF_METHODS + SG_METHODS
+METRICS = ("prefill", "ttft")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 # ------------------------------------------------------------------------------- workload
 
 
-def make_workload(num_prompts: int, min_len: int, max_len: int, vocab: int, seed: int):
-    """Log-uniform lengths in [min_len, max_len], uniform random token ids; deterministic."""
+def _clip(x: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, round(x))))
+
+
+def _wiki(rng: random.Random, cut: int) -> int:
+    if rng.random() < 0.3:
+        return rng.randint(4, 16)
+    return _clip(rng.lognormvariate(math.log(160), 0.7), 4, cut)
+
+
+PROFILES = {
+    "mmlu": ("short instruction prompts: lognormal median 50, sigma 0.9, clipped to [8, 2048]",
+             lambda rng: _clip(rng.lognormvariate(math.log(50), 0.9), 8, 2048)),
+    "wiki256": ("wiki chunks: 30% headings U[4,16], else lognormal median 160, sigma 0.7; "
+                "truncated at 256", lambda rng: _wiki(rng, 256)),
+    "wiki512": ("wiki chunks: 30% headings U[4,16], else lognormal median 160, sigma 0.7; "
+                "truncated at 512", lambda rng: _wiki(rng, 512)),
+    "dialogue": ("long-tailed dialogue: lognormal median 220, sigma 1.0, clipped to [16, 4000]",
+                 lambda rng: _clip(rng.lognormvariate(math.log(220), 1.0), 16, 4000)),
+    "long": ("long prompts: log-uniform in [1024, 32768]",
+             lambda rng: _clip(math.exp(rng.uniform(math.log(1024), math.log(32768))),
+                               1024, 32768)),
+}
+
+
+def make_pool(profile: str, n: int, vocab: int, seed: int, max_len: int | None = None):
+    """``n`` prompts (token-id lists) of the profile; deterministic; prefix-stable in ``n``."""
+    rng = random.Random(f"{profile}-{seed}")
+    lengths = [PROFILES[profile][1](rng) for _ in range(n)]
+    if max_len:
+        lengths = [max(2, min(max_len, x)) for x in lengths]
     g = torch.Generator().manual_seed(seed)
-    u = torch.rand(num_prompts, generator=g, dtype=torch.float64)
-    logs = math.log(min_len) + u * (math.log(max_len) - math.log(min_len))
-    lengths = [min(max_len, max(min_len, round(math.exp(x)))) for x in logs.tolist()]
-    prompts = [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lengths]
-    return prompts
+    return [torch.randint(100, vocab - 100, (x,), generator=g).tolist() for x in lengths]
+
+
+def random_batches(pool, b: int, seed: int):
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    return [[pool[i] for i in order[j:j + b]] for j in range(0, len(pool), b)]
+
+
+def sorted_batches(pool, b: int):
+    srt = sorted(pool, key=len)
+    return [srt[j:j + b] for j in range(0, len(srt), b)]
+
+
+def layout(batches) -> dict:
+    """Tokens computed by padding and by packing, summed over the batches."""
+    from uniprefill_sglang.tools.prepacking import first_fit_decreasing
+
+    real = padded = packed = 0
+    for bt in batches:
+        lens = [len(p) for p in bt]
+        real += sum(lens)
+        padded += len(lens) * max(lens)
+        bins = first_fit_decreasing(lens, max(lens))
+        packed += len(bins) * max(sum(lens[i] for i in b) for b in bins)
+    return {"real_tokens": real, "padded_tokens": padded, "packed_tokens": packed,
+            "padded_over_real": padded / real, "packed_over_real": packed / real}
 
 
 # ------------------------------------------------------------------------------- memory probes
 
 
-def _status_kib(pid: int | str, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise KeyError(key)
 
 
-def _reset_peak_rss(pid: int | str) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
 class RssPeak:
-    """Peak RSS above the starting RSS of a process, in MiB, over a ``with`` block."""
-
-    def __init__(self, pid: int | str = "self"):
-        self.pid = pid
-        self.delta_mib = None
+    """Peak RSS of this process above its RSS at entry, in MiB (Linux)."""
 
     def __enter__(self):
-        if self.pid == "self":
-            _malloc_trim()
-        _reset_peak_rss(self.pid)
-        self.start = _status_kib(self.pid, "VmRSS")
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        self.start = _status_kib("VmRSS")
         return self
 
     def __exit__(self, *exc):
-        self.delta_mib = (_status_kib(self.pid, "VmHWM") - self.start) / 1024
+        self.delta_mib = (_status_kib("VmHWM") - self.start) / 1024
         return False
-
-
-def _scheduler_pid() -> int | None:
-    import psutil
-
-    procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        try:
-            if "scheduler" in " ".join(p.cmdline()) or "scheduler" in p.name():
-                return p.pid
-        except psutil.Error:
-            continue
-    return None
-
-
-def _device_used_gib() -> float:
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**30
 
 
 # ------------------------------------------------------------------------------- HF side
@@ -168,61 +208,129 @@ def load_hf_model(model_path: str, device: str, dtype: torch.dtype, random_weigh
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation="sdpa"
-        ).to(device)
+            model_path, dtype=dtype, attn_implementation="sdpa").to(device)
     return model.eval()
 
 
-def run_hf(model, method: str, prompts, device: str, dtype: torch.dtype):
+def run_hf(model, method: str, metric: str, prompts, device: str, dtype: torch.dtype):
+    """Last-position (prefill) or first-step (ttft) logits of one batch."""
     from uniprefill_sglang.tools import prepacking as pp
 
-    if method == "hf_padded":
-        batch = pp.build_padded_batch(prompts, device=device)
-        return pp.run_padded(model, batch)
-    batch = pp.build_packed_batch(prompts, dtype=dtype, device=device)
-    return pp.run_packed(model, batch)
+    if method == "hf_packed":
+        if metric == "ttft":
+            return pp.ttft_packed(model, prompts, dtype=dtype, device=device)
+        batch = pp.build_packed_batch(prompts, dtype=dtype, device=device)
+        logits, cache = pp.prefill_packed(model, batch, use_cache=True)
+        del cache
+        return logits
+    if metric == "ttft":
+        return pp.ttft_padded(model, prompts, device=device)
+    batch = pp.build_padded_batch(prompts, device=device, side="left")
+    logits, cache = pp.prefill_padded(model, batch, use_cache=True)
+    del cache
+    return logits
 
 
-def measure_hf(model, method, prompts, device, dtype):
-    """One timed, memory-probed batch: (seconds, activation MiB, logits, CPU seconds or None).
+def _is_oom(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return (isinstance(e, torch.OutOfMemoryError) or "out of memory" in msg
+            or "alloc_failed" in msg)
 
-    CPU seconds (CPU only): user + system time of this process over the batch, all threads.
-    On a shared machine it is steadier than wall time (time spent waiting for a core is not in it).
-    """
+
+def measure_hf(model, method, metric, prompts, device, dtype, weights_bytes):
+    """One batch: dict(s, peak_mib, above_weights_mib) and the logits; or ({"oom": True}, None)."""
     if device == "cuda":
+        torch.cuda.empty_cache()  # as the paper, before every batch
         torch.cuda.synchronize()
-        gc.collect()
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        logits = run_hf(model, method, prompts, device, dtype)
-        torch.cuda.synchronize()
+        oom = False
+        try:
+            logits = run_hf(model, method, metric, prompts, device, dtype)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - OOM is a result; anything else is re-raised
+            if not _is_oom(e):
+                raise
+            oom = True  # free the memory outside the handler, once the traceback is gone
+        if oom:
+            gc.collect()
+            torch.cuda.empty_cache()
+            return {"oom": True}, None
         dt = time.perf_counter() - t0
-        mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-        return dt, mib, logits, None
+        peak = torch.cuda.max_memory_allocated()
+        return {"s": dt, "peak_mib": peak / 2**20,
+                "above_weights_mib": (peak - base) / 2**20}, logits
     gc.collect()
-    with RssPeak() as peak:
-        c0 = time.process_time()
+    with RssPeak() as probe:
         t0 = time.perf_counter()
-        logits = run_hf(model, method, prompts, device, dtype)
+        logits = run_hf(model, method, metric, prompts, device, dtype)
         dt = time.perf_counter() - t0
-        cpu = time.process_time() - c0
-    return dt, peak.delta_mib, logits, cpu
+    return {"s": dt, "peak_mib": None, "above_weights_mib": probe.delta_mib}, logits
+
+
+def hf_batches(method: str, pool, b: int, seed: int):
+    return sorted_batches(pool, b) if method == "hf_lenorder" else random_batches(pool, b, seed)
+
+
+def time_hf(model, method, metric, pool, b, args, dtype, weights_bytes, log, keep_logits):
+    """Warm-up on one batch, then every batch of the pool ``repeats`` times.
+
+    Returns the entry and, with ``keep_logits``, the first pass's logits (CPU, per batch).
+    """
+    batches = hf_batches(method, pool, b, args.seed)
+    gc.collect()
+    # Warm-up on the shortest batch of the pool (the one-time costs, cheaply).
+    first, _ = measure_hf(model, method, metric, sorted_batches(pool, b)[0], args.device, dtype,
+                          weights_bytes)
+    if first.get("oom"):
+        return {"oom": True, "oom_at": "warm-up batch"}, None
+    passes, peaks, above = [], [], []
+    logits = None
+    for r in range(args.repeats):
+        per_batch = []
+        for bi, bt in enumerate(batches):
+            m, lg = measure_hf(model, method, metric, bt, args.device, dtype, weights_bytes)
+            if m.get("oom"):
+                return {"oom": True, "oom_at": f"pass {r} batch {bi}"}, None
+            per_batch.append(m["s"])
+            peaks.append(m["peak_mib"])
+            above.append(m["above_weights_mib"])
+            if r == 0:
+                assert torch.isfinite(lg).all(), f"{method} {metric}: non-finite logits"
+                if keep_logits:
+                    logits = (logits or []) + [lg.float().cpu()]
+            del lg
+        passes.append(per_batch)
+    means = [statistics.mean(p) for p in passes]
+    entry = {
+        "num_batches": len(batches), "batch_size": b,
+        "mean_s_per_batch": statistics.mean([s for p in passes for s in p]),
+        "median_of_pass_means_s": statistics.median(means),
+        "pass_means_s": means, "batch_s_first_pass": passes[0],
+        "peak_mib": max(peaks) if peaks[0] is not None else None,
+        "above_weights_mib": max(above),
+    }
+    log(f"    {method:12s} {metric:7s} B={b:5d}: {entry['mean_s_per_batch'] * 1e3:9.1f} ms/batch, "
+        + (f"peak {entry['peak_mib']:9.0f} MiB" if entry["peak_mib"] is not None else "")
+        + f" (+{entry['above_weights_mib']:.0f} MiB over weights)")
+    return entry, logits
 
 
 # ------------------------------------------------------------------------------- SGLang side
 
 
-def start_engine(args, random_weights: bool, total_tokens: int, n: int):
+def start_engine(args, random_weights: bool, max_batch_tokens: int, max_batch: int,
+                 max_len: int, model_max_pos: int):
+    os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     common = dict(
         enable_uniprefill=True,
         disable_radix_cache=True,
-        skip_tokenizer_init=True,  # token ids in and out; the GPU folder has no tokenizer
+        skip_tokenizer_init=True,  # token ids in and out; the model folders hold no tokenizer
         uniprefill_min_prompt_tokens=args.uniprefill_min_prompt_tokens,
-        # Room for the whole batch in one prefill step, like the HF single forward.
-        max_prefill_tokens=max(8192, total_tokens + 64),
-        max_running_requests=max(16, n),
+        # Room for a whole batch in one prefill step, like the HF single forward.
+        max_prefill_tokens=max(16384, max_batch_tokens + 64),
+        max_running_requests=max(16, max_batch),
         random_seed=0,
         log_level="error",
     )
@@ -231,9 +339,6 @@ def start_engine(args, random_weights: bool, total_tokens: int, n: int):
     if args.device == "cpu":
         from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
 
-        # On the CPU SGLang sizes the KV pool from free host RAM (shared with whatever else
-        # runs); a high fraction keeps the pool at max_total_tokens (32768) whenever RAM allows.
-        # The chunk size must cover the batch too (the CPU default, 8192, would split it).
         return make_cpu_engine(args.model_path, mem_fraction_static=args.mem_fraction_static,
                                chunked_prefill_size=common["max_prefill_tokens"], **common)
     import sglang
@@ -243,9 +348,10 @@ def start_engine(args, random_weights: bool, total_tokens: int, n: int):
         dtype="bfloat16",
         attention_backend=args.attention_backend,
         mem_fraction_static=args.mem_fraction_static,
-        chunked_prefill_size=-1,  # prompts are at most --max-len tokens: never chunk
-        context_length=args.max_len + 64,
+        chunked_prefill_size=-1,
+        context_length=max(model_max_pos, max_len + 64),
         cuda_graph_backend_prefill="disabled",
+        disable_cuda_graph=True,  # max_new_tokens=1: no decode step to graph; starts faster
         **common,
     )
 
@@ -257,38 +363,54 @@ def sglang_custom(method: str, keep_ratio: str | None) -> dict:
 
 
 def run_sglang(engine, prompts, custom: dict):
-    outs = engine.generate(
+    return engine.generate(
         input_ids=prompts,
         sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True,
                          "custom_params": custom},
     )
-    return outs
 
 
-def kept_summary(outs, lengths, min_tokens):
-    """Token-weighted kept fraction per stage over the long prompts, and over all prompts."""
-    metas = [o["meta_info"].get("uniprefill", [{}])[-1] for o in outs]
-    kept = [m.get("kept_tokens") for m in metas]
+def kept_summary(outs, lengths, min_tokens) -> dict:
+    """How many prompts dropped, and the token-weighted kept fraction after the last drop."""
+    metas = [(o.get("meta_info") or {}).get("uniprefill", [{}]) for o in outs]
+    metas = [m[-1] if isinstance(m, list) and m else (m or {}) for m in metas]
     enabled = [bool(m.get("enabled")) for m in metas]
-    reasons = sorted({str(m.get("reason")) for m in metas if not m.get("enabled")})
-    stages = max((len(k) for k in kept if k), default=0)
+    kept_last = [m["kept_tokens"][-1] if m.get("kept_tokens") else n
+                 for m, n in zip(metas, lengths)]
+    return {"num_dropped": sum(enabled), "num_prompts": len(lengths),
+            "num_at_least_min": sum(n >= min_tokens for n in lengths),
+            "kept_fraction_all": sum(kept_last) / sum(lengths)}
 
-    def frac(idx):
-        tot = sum(lengths[i] for i in idx)
-        if not tot or not stages:
-            return None
-        return [sum((kept[i][s] if kept[i] and s < len(kept[i]) else lengths[i]) for i in idx) / tot
-                for s in range(stages)]
 
-    long_idx = [i for i, n in enumerate(lengths) if n >= min_tokens]
-    return {
-        "num_enabled": sum(enabled),
-        "num_long": len(long_idx),
-        "dense_reasons": reasons,
-        "kept_fraction_per_stage_long": frac([i for i in long_idx if enabled[i]]),
-        "kept_fraction_per_stage_all": frac(list(range(len(lengths)))),
-        "kept_tokens": kept,
+def time_sglang(engine, method, pool, b, args, keep_ratio, log):
+    batches = random_batches(pool, b, args.seed)
+    custom = sglang_custom(method, keep_ratio)
+    run_sglang(engine, sorted_batches(pool, b)[0], custom)  # warm-up: the shortest batch
+    passes, kept = [], []
+    for r in range(args.repeats):
+        per_batch = []
+        for bt in batches:
+            t = time.perf_counter()
+            outs = run_sglang(engine, bt, custom)
+            per_batch.append(time.perf_counter() - t)
+            if r == 0:
+                kept.append(kept_summary(outs, [len(p) for p in bt],
+                                         args.uniprefill_min_prompt_tokens))
+        passes.append(per_batch)
+    means = [statistics.mean(p) for p in passes]
+    entry = {
+        "num_batches": len(batches), "batch_size": b,
+        "mean_s_per_batch": statistics.mean([s for p in passes for s in p]),
+        "median_of_pass_means_s": statistics.median(means),
+        "pass_means_s": means, "batch_s_first_pass": passes[0],
+        "num_dropped": sum(k["num_dropped"] for k in kept),
+        "num_at_least_min_tokens": sum(k["num_at_least_min"] for k in kept),
+        "kept_fraction_all_tokens": (sum(k["kept_fraction_all"] * len(bt)
+                                         for k, bt in zip(kept, batches)) / len(pool)),
     }
+    log(f"    {method:17s} ttft    B={b:5d}: {entry['mean_s_per_batch'] * 1e3:9.1f} ms/batch"
+        + (f", {entry['num_dropped']} prompts dropped" if method == "sglang_uniprefill" else ""))
+    return entry
 
 
 # ------------------------------------------------------------------------------- main
@@ -301,28 +423,32 @@ def main() -> None:
                     help="HF folder; default on CPU: SmolLM2-135M-Instruct (model_zoo)")
     ap.add_argument("--random-weights", choices=["auto", "yes", "no"], default="auto",
                     help="auto: yes when the folder holds no weight files (config.json only)")
-    ap.add_argument("--num-prompts", type=int, default=None, help="default: 8 on CPU, 64 on CUDA")
-    ap.add_argument("--min-len", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--profiles", default="mmlu,wiki256,wiki512,dialogue",
+                    help=f"comma list of {','.join(PROFILES)}")
+    ap.add_argument("--pool", type=int, default=None,
+                    help="prompts per profile (the paper: 1000); default 512 on CUDA, 8 on CPU")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 64 on CUDA, 4 on CPU")
+    ap.add_argument("--sweep-profile", default="mmlu",
+                    help="profile timed at every --sweep-sizes and searched for OOM; 'none'")
+    ap.add_argument("--sweep-sizes", default="16,32,64,128,256,512",
+                    help="batch sizes timed on the sweep profile (at most --pool)")
+    ap.add_argument("--oom-cap", type=int, default=32768,
+                    help="largest batch tried in the OOM search (CUDA)")
+    ap.add_argument("--max-len", type=int, default=None, help="clip prompt lengths (smoke runs)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup-prompts", type=int, default=None,
-                    help="warm up on the K shortest prompts only (default: the whole batch)")
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--uniprefill-min-prompt-tokens", type=int, default=1024)
     ap.add_argument("--keep-ratio", default=None,
-                    help="UniPrefill per-request keep-ratio schedule, e.g. 0.5,0.8; 'none' = the "
-                         "server's top-p (0.99). Default: none with real weights, 0.5,0.8 with "
-                         "random weights (top-p keeps almost everything on random weights)")
+                    help="UniPrefill keep-ratio schedule; 'none' = top-p. Default: 0.5,0.8 with "
+                         "random weights, top-p with real weights")
     ap.add_argument("--attention-backend", default="flashinfer", help="CUDA only")
     ap.add_argument("--mem-fraction-static", type=float, default=None,
-                    help="SGLang's; default 0.8 on CUDA (room for the freed HF model's cache), "
-                         "0.95 on CPU")
+                    help="SGLang's; default 0.8 on CUDA, 0.95 on CPU")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     if args.device == "cpu":
-        # Before anything imports sglang (the HF half does not, the engine start does).
         from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
         activate_cpu_engine_env()
@@ -333,10 +459,19 @@ def main() -> None:
     elif args.model_path is None:
         ap.error("--model-path is required with --device cuda")
     methods = [m for m in args.methods.split(",") if m]
+    profiles = [p for p in args.profiles.split(",") if p]
     for m in methods:
         if m not in METHODS:
             ap.error(f"unknown method {m}")
-    n = args.num_prompts or (8 if args.device == "cpu" else 64)
+    for p in profiles:
+        if p not in PROFILES:
+            ap.error(f"unknown profile {p}")
+    cuda = args.device == "cuda"
+    pool_n = args.pool or (512 if cuda else 8)
+    bsz = args.batch_size or (64 if cuda else 4)
+    sweep_profile = args.sweep_profile if args.sweep_profile in profiles else None
+    sweep_sizes = sorted({int(x) for x in args.sweep_sizes.split(",") if x} | {bsz})
+    sweep_sizes = [b for b in sweep_sizes if b <= pool_n]
     folder = Path(args.model_path)
     random_weights = {"yes": True, "no": False}.get(args.random_weights)
     if random_weights is None:
@@ -346,236 +481,218 @@ def main() -> None:
         keep_ratio = "0.5,0.8" if random_weights else None
     elif keep_ratio.lower() == "none":
         keep_ratio = None
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if cuda else torch.float32
     if args.mem_fraction_static is None:
-        args.mem_fraction_static = 0.8 if args.device == "cuda" else 0.95
-    out_path = args.out or f"benchmarks/results/prepacking_{args.device}.json"
-
+        args.mem_fraction_static = 0.8 if cuda else 0.95
     cfg = json.loads((folder / "config.json").read_text())
-    prompts = make_workload(n, args.min_len, args.max_len, cfg["vocab_size"], args.seed)
-    lengths = [len(p) for p in prompts]
-    # Warm-up batch: the K shortest prompts (a warm-up only has to pay the one-time costs).
-    warm = sorted(prompts, key=len)[: args.warmup_prompts] if args.warmup_prompts else prompts
+    name = folder.name
+    out_path = Path(args.out or f"benchmarks/results/prepacking/prepacking_{name}_{args.device}"
+                    f"_{'-'.join(profiles)}.json")
+    log_lines: list[str] = []
 
-    from uniprefill_sglang.tools.prepacking import build_packed_batch, build_padded_batch
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_lines.append(msg)
 
-    packed_probe = build_packed_batch(prompts, dtype=torch.float32, device="meta")
-    padded_probe = build_padded_batch(prompts)
-    layout = {
-        "real_tokens": sum(lengths),
-        "padded_batch_tokens": padded_probe.input_ids.numel(),
-        "padding_waste": padded_probe.padded_tokens / sum(lengths),
-        "packed_rows": packed_probe.num_rows,
-        "packed_width": packed_probe.width,
-        "packed_capacity": packed_probe.capacity,
-        "packed_batch_tokens": packed_probe.num_rows * packed_probe.width,
-        "packed_fill_ratio": packed_probe.fill_ratio,
-        "packed_waste": (packed_probe.num_rows * packed_probe.width - sum(lengths)) / sum(lengths),
-    }
-    del packed_probe, padded_probe
-
+    pools = {p: make_pool(p, pool_n, cfg["vocab_size"], args.seed, args.max_len) for p in profiles}
+    sizes_of = {p: (sweep_sizes if p == sweep_profile else [bsz]) for p in profiles}
     result = {
-        "header": result_header(model=str(args.model_path)),
-        "date": datetime.date.today().isoformat(),
+        "header": result_header(model=f"{name} shape ({'random' if random_weights else 'real'} "
+                                f"weights, {str(dtype).replace('torch.', '')})"),
         "device": args.device,
-        "device_name": (torch.cuda.get_device_name() if args.device == "cuda"
-                        else platform.processor() or platform.machine()),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "versions": {"torch": torch.__version__,
+                     "transformers": __import__("transformers").__version__},
         "model_path": str(args.model_path),
-        "model": {k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers",
+        "model": {k: cfg.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads",
-                                          "intermediate_size", "vocab_size")},
+                                          "intermediate_size", "vocab_size",
+                                          "max_position_embeddings")},
         "random_weights": random_weights,
         "dtype": str(dtype).replace("torch.", ""),
-        "workload": {"num_prompts": n, "distribution": "log-uniform", "min_len": args.min_len,
-                     "max_len": args.max_len, "seed": args.seed, "lengths": lengths,
-                     "token_ids": "uniform in [100, vocab-100)"},
-        "layout": layout,
-        "repeats": args.repeats,
-        "warmup_prompt_lengths": [len(p) for p in warm],
-        "uniprefill": {"min_prompt_tokens": args.uniprefill_min_prompt_tokens,
-                       "selection": (f"keep_ratio {keep_ratio} (per request)" if keep_ratio
-                                     else "top-p (server default 0.99)")},
-        "methods": {},
-        "checks": {},
-        "loadavg_1min_at_start": os.getloadavg()[0],
+        "settings": {"pool": pool_n, "batch_size": bsz, "sweep_profile": sweep_profile,
+                     "sweep_sizes": sweep_sizes, "oom_cap": args.oom_cap,
+                     "repeats": args.repeats, "seed": args.seed, "max_len": args.max_len,
+                     "methods": methods, "metrics": list(METRICS),
+                     "uniprefill_min_prompt_tokens": args.uniprefill_min_prompt_tokens,
+                     "keep_ratio": keep_ratio or "top-p (server default)",
+                     "attention_backend": args.attention_backend if cuda else "torch_native",
+                     "mem_fraction_static": args.mem_fraction_static},
+        "profiles": {},
     }
 
-    def save():
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(result, indent=1))
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        result["log"] = log_lines
+        out_path.write_text(json.dumps(result, indent=1))
 
-    print(f"workload: {n} prompts, lengths {sorted(lengths)}; real {layout['real_tokens']}, "
-          f"padded {layout['padded_batch_tokens']}, packed {layout['packed_rows']} rows x "
-          f"{layout['packed_width']}", flush=True)
+    for p in profiles:
+        lens = [len(x) for x in pools[p]]
+        result["profiles"][p] = {
+            "distribution": PROFILES[p][0],
+            "lengths": {"n": len(lens), "min": min(lens), "max": max(lens),
+                        "mean": statistics.mean(lens), "median": statistics.median(lens),
+                        "p90": sorted(lens)[int(0.9 * (len(lens) - 1))], "all": lens},
+            "layout": {str(b): {"random": layout(random_batches(pools[p], b, args.seed)),
+                                "length_ordered": layout(sorted_batches(pools[p], b))}
+                       for b in sizes_of[p]},
+            "hf": {}, "sglang": {}, "oom_search": {}, "checks": {},
+        }
+        lo = result["profiles"][p]["layout"][str(bsz)]
+        log(f"{p}: {len(lens)} prompts, mean {statistics.mean(lens):.0f}, max {max(lens)}; "
+            f"B={bsz}: padded/real {lo['random']['padded_over_real']:.2f}, "
+            f"length-ordered {lo['length_ordered']['padded_over_real']:.2f}, "
+            f"packed {lo['random']['packed_over_real']:.2f}")
+    save()
 
-    # ---- Hugging Face: padded and packed, alternating, one model.
-    hf_methods = [m for m in methods if m.startswith("hf_")]
-    hf_logits = {}
+    # ---- Hugging Face
+    hf_methods = [m for m in methods if m in HF_METHODS]
     if hf_methods:
         t0 = time.perf_counter()
         model = load_hf_model(args.model_path, args.device, dtype, random_weights)
-        weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        print(f"HF model ready in {time.perf_counter() - t0:.1f} s ({weights_mib:.0f} MiB)",
-              flush=True)
-        times = {m: [] for m in hf_methods}
-        mems = {m: [] for m in hf_methods}
-        cpus = {m: [] for m in hf_methods}
-        for m in hf_methods:
-            dt = measure_hf(model, m, warm, args.device, dtype)[0]
-            print(f"  warm-up {m}: {dt:.2f} s", flush=True)
-        for r in range(args.repeats):
-            order = hf_methods if r % 2 == 0 else hf_methods[::-1]
-            for m in order:
-                dt, mib, logits, cpu = measure_hf(model, m, prompts, args.device, dtype)
-                times[m].append(dt)
-                mems[m].append(mib)
-                cpus[m].append(cpu)
-                if r == 0:
-                    assert torch.isfinite(logits).all(), f"{m}: non-finite logits"
-                    hf_logits[m] = logits.float().cpu()
-                print(f"  {m} repeat {r}: {dt:.2f} s, peak +{mib:.0f} MiB, "
-                      f"load {os.getloadavg()[0]:.1f}", flush=True)
-        for m in hf_methods:
-            result["methods"][m] = {
-                "median_s": statistics.median(times[m]), "times_s": times[m],
-                "peak_mib": max(mems[m]), "peak_mib_all": mems[m],
-                "peak_meaning": ("torch.cuda.max_memory_allocated above the pre-batch allocation"
-                                 if args.device == "cuda" else
-                                 "peak RSS (VmHWM) above the pre-batch RSS, this process"),
-                "weights_mib": weights_mib,
-            }
-            if args.device == "cpu":
-                result["methods"][m]["cpu_s_median"] = statistics.median(cpus[m])
-                result["methods"][m]["cpu_s"] = cpus[m]
-        if len(hf_logits) == 2:
-            a, b = hf_logits["hf_packed"], hf_logits["hf_padded"]
-            result["checks"]["packed_vs_padded_max_rel_err"] = (
-                (a - b).abs().max() / b.abs().max()).item()
-        save()
+        weights_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        result["hf_weights_mib"] = weights_bytes / 2**20
+        log(f"HF model ready in {time.perf_counter() - t0:.1f} s "
+            f"({weights_bytes / 2**20:.0f} MiB of weights)")
+        for p in profiles:
+            log(f"  [{p}]")
+            res = result["profiles"][p]
+            oomed: set[tuple[str, str]] = set()
+            for b in sizes_of[p]:
+                logits = {}
+                for metric in METRICS:
+                    for m in hf_methods:
+                        key = f"{m}/{metric}"
+                        if (m, metric) in oomed:
+                            res["hf"].setdefault(key, {})[str(b)] = {"oom": True,
+                                                                     "skipped": "smaller OOMed"}
+                            continue
+                        entry, lg = time_hf(model, m, metric, pools[p], b, args, dtype,
+                                            weights_bytes, log, keep_logits=b == bsz)
+                        if entry.get("oom"):
+                            oomed.add((m, metric))
+                            log(f"    {m:12s} {metric:7s} B={b:5d}: out of memory")
+                        res["hf"].setdefault(key, {})[str(b)] = entry
+                        if lg is not None and m != "hf_lenorder":
+                            logits[(m, metric)] = torch.cat(lg)
+                        save()
+                if b == bsz and ("hf_padded", "ttft") in logits and ("hf_packed", "ttft") in logits:
+                    a, c = logits[("hf_packed", "ttft")], logits[("hf_padded", "ttft")]
+                    res["checks"]["ttft_first_token_packed_equals_padded"] = (
+                        f"{int((a.argmax(-1) == c.argmax(-1)).sum())}/{a.shape[0]}")
+                    res["checks"]["ttft_logits_packed_vs_padded_max_rel_err"] = (
+                        (a - c).abs().max() / c.abs().max()).item()
+                    if ("hf_packed", "prefill") in logits and ("hf_padded", "prefill") in logits:
+                        a, c = logits[("hf_packed", "prefill")], logits[("hf_padded", "prefill")]
+                        res["checks"]["prefill_logits_packed_vs_padded_max_rel_err"] = (
+                            (a - c).abs().max() / c.abs().max()).item()
+                    log(f"    checks: {res['checks']}")
+                del logits
+            # Largest batch before OOM: double past the pool until each method fails.
+            if cuda and p == sweep_profile:
+                b = max(sizes_of[p]) * 2
+                alive = {(m, metric) for m in hf_methods if m != "hf_lenorder"
+                         for metric in METRICS} - oomed
+                while alive and b <= args.oom_cap:
+                    big = make_pool(p, b, cfg["vocab_size"], args.seed + 1, args.max_len)
+                    for metric in METRICS:
+                        for m in ("hf_padded", "hf_packed"):
+                            if (m, metric) not in alive:
+                                continue
+                            r, lg = measure_hf(model, m, metric, big, args.device, dtype,
+                                               weights_bytes)
+                            del lg
+                            r["real_tokens"] = sum(map(len, big))
+                            r["padded_tokens"] = len(big) * max(map(len, big))
+                            res["oom_search"].setdefault(f"{m}/{metric}", {})[str(b)] = r
+                            if r.get("oom"):
+                                alive.discard((m, metric))
+                                log(f"    OOM search {m} {metric} B={b}: out of memory")
+                            else:
+                                log(f"    OOM search {m} {metric} B={b}: {r['s']:.3f} s, "
+                                    f"peak {r['peak_mib']:.0f} MiB")
+                            save()
+                    del big
+                    b *= 2
+                largest = {}
+                for m in ("hf_padded", "hf_packed"):
+                    for metric in METRICS:
+                        ok = [int(k) for k, v in res["hf"].get(f"{m}/{metric}", {}).items()
+                              if not v.get("oom")]
+                        ok += [int(k) for k, v in res["oom_search"].get(f"{m}/{metric}",
+                                                                         {}).items()
+                               if not v.get("oom")]
+                        tried = ([int(k) for k in res["oom_search"].get(f"{m}/{metric}", {})]
+                                 + [int(k) for k in res["hf"].get(f"{m}/{metric}", {})])
+                        largest[f"{m}/{metric}"] = {
+                            "largest_fitting": max(ok) if ok else None,
+                            "first_oom": min([t for t in tried if t not in ok], default=None),
+                        }
+                res["largest_batch"] = largest
+                log(f"    largest batch: {largest}")
+                save()
         del model
         gc.collect()
-        if args.device == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
-        _malloc_trim()
 
-    # ---- SGLang: one engine, dense and UniPrefill alternating.
-    sg_methods = [m for m in methods if m.startswith("sglang_")]
+    # ---- SGLang: one engine, dense and UniPrefill alternating per batch size
+    sg_methods = [m for m in methods if m in SG_METHODS]
     if sg_methods:
-        used_before = _device_used_gib() if args.device == "cuda" else None
+        max_tokens = max(sum(len(x) for x in bt) for p in profiles for b in sizes_of[p]
+                         for bt in random_batches(pools[p], b, args.seed))
+        max_len = max(len(x) for p in profiles for x in pools[p])
         t0 = time.perf_counter()
-        engine = start_engine(args, random_weights, sum(lengths), n)
-        start_s = time.perf_counter() - t0
+        engine = start_engine(args, random_weights, max_tokens, max(max(v) for v in
+                                                                    sizes_of.values()),
+                              max_len, cfg.get("max_position_embeddings") or 0)
         try:
             state = engine.get_server_info()["internal_states"][0]
-            mem_usage = state.get("memory_usage")
-            sched = {"engine_start_s": start_s, "memory_usage": mem_usage,
-                     "drop_layers": state.get("uniprefill", {}).get("drop_layers")}
-            if args.device == "cuda":
-                sched["device_used_gib_before_engine"] = used_before
-                sched["device_used_gib_after_start"] = _device_used_gib()
-            print(f"SGLang engine ready in {start_s:.1f} s; memory_usage {mem_usage}", flush=True)
-            cap = (mem_usage or {}).get("token_capacity")
-            if cap is not None and cap < sum(lengths):
-                print(f"WARNING: KV pool holds {cap} tokens < {sum(lengths)} in the batch: "
-                      "SGLang will prefill it in several steps", flush=True)
-            result["sglang"] = sched
-            pid = _scheduler_pid() if args.device == "cpu" else None
-            for m in sg_methods:
-                t = time.perf_counter()
-                run_sglang(engine, warm, sglang_custom(m, keep_ratio))
-                print(f"  warm-up {m}: {time.perf_counter() - t:.2f} s", flush=True)
-            times = {m: [] for m in sg_methods}
-            mems = {m: [] for m in sg_methods}
-            cpus = {m: [] for m in sg_methods}
-            last = {}
-            sched_proc = None
-            if pid:
-                import psutil
-
-                sched_proc = psutil.Process(pid)
-            for r in range(args.repeats):
-                order = sg_methods if r % 2 == 0 else sg_methods[::-1]
-                for m in order:
-                    probe = RssPeak(pid) if pid else None
-                    if probe:
-                        probe.__enter__()
-                    c0 = sum(sched_proc.cpu_times()[:2]) if sched_proc else None
-                    t = time.perf_counter()
-                    outs = run_sglang(engine, prompts, sglang_custom(m, keep_ratio))
-                    dt = time.perf_counter() - t
-                    if sched_proc:
-                        cpus[m].append(sum(sched_proc.cpu_times()[:2]) - c0)
-                    if probe:
-                        probe.__exit__(None, None, None)
-                        mems[m].append(probe.delta_mib)
-                    times[m].append(dt)
-                    last[m] = outs
-                    if args.device == "cuda":
-                        mems[m].append(_device_used_gib())
-                    print(f"  {m} repeat {r}: {dt:.2f} s"
-                          + (f", peak +{mems[m][-1]:.0f} MiB" if probe else "")
-                          + f", load {os.getloadavg()[0]:.1f}", flush=True)
-            for m in sg_methods:
-                entry = {"median_s": statistics.median(times[m]), "times_s": times[m]}
-                if args.device == "cpu":
-                    entry["peak_mib"] = max(mems[m]) if mems[m] else None
-                    entry["peak_mib_all"] = mems[m]
-                    entry["peak_meaning"] = ("peak RSS (VmHWM) above the pre-batch RSS, SGLang "
-                                             "scheduler process (KV pool preallocated, not in it)")
-                    if cpus[m]:
-                        entry["cpu_s_median"] = statistics.median(cpus[m])
-                        entry["cpu_s"] = cpus[m]
-                        entry["cpu_meaning"] = "user + system time of the scheduler process"
-                else:
-                    entry["device_used_gib_after_runs"] = mems[m]
-                    entry["peak_meaning"] = ("device memory in use (cudaMemGetInfo, all "
-                                             "processes) after this method's runs; compare with "
-                                             "sglang.device_used_gib_after_start")
-                entry["kept"] = kept_summary(last[m], lengths, args.uniprefill_min_prompt_tokens)
-                result["methods"][m] = entry
-            if "sglang_dense" in last and "hf_packed" in hf_logits and not random_weights:
-                sg_tok = [o["output_ids"][0] for o in last["sglang_dense"]]
-                hf_tok = hf_logits["hf_packed"].argmax(-1).tolist()
-                result["checks"]["sglang_dense_token_equals_hf_argmax"] = (
-                    f"{sum(a == b for a, b in zip(sg_tok, hf_tok))}/{len(sg_tok)}")
+            result["sglang"] = {"engine_start_s": time.perf_counter() - t0,
+                                "memory_usage": state.get("memory_usage"),
+                                "max_prefill_tokens": max(16384, max_tokens + 64),
+                                "memory_meaning": "weights and the KV pool SGLang preallocates "
+                                                  "(its memory_usage, GB); batches run inside "
+                                                  "the pool or wait, never OOM"}
+            if cuda:
+                free, total = torch.cuda.mem_get_info()
+                result["sglang"]["device_used_gib_all_processes"] = (total - free) / 2**30
+            log(f"SGLang engine ready in {result['sglang']['engine_start_s']:.1f} s; "
+                f"memory_usage {result['sglang']['memory_usage']}")
+            save()
+            for p in profiles:
+                log(f"  [{p}]")
+                for b in sizes_of[p]:
+                    for m in sg_methods:
+                        entry = time_sglang(engine, m, pools[p], b, args, keep_ratio, log)
+                        result["profiles"][p]["sglang"].setdefault(m, {})[str(b)] = entry
+                        save()
         finally:
             engine.shutdown()
-        save()
 
-    # ---- table
-    print()
-    print(f"{result['device_name']}, {result['dtype']}, {n} prompts ({layout['real_tokens']} "
-          f"tokens), padding waste {layout['padding_waste']:.2f}, packed {layout['packed_rows']} "
-          f"rows, fill {layout['packed_fill_ratio']:.1%}")
-    print("| method | median s | vs padded | CPU s | peak memory | note |")
-    print("|---|---|---|---|---|---|")
-    base = result["methods"].get("hf_padded", {}).get("median_s")
-    for m in methods:
-        e = result["methods"].get(m)
-        if not e:
-            continue
-        speed = f"{base / e['median_s']:.2f}x" if base else "-"
-        if "peak_mib" in e and e["peak_mib"] is not None:
-            mem = f"+{e['peak_mib']:.0f} MiB"
-        elif "device_used_gib_after_runs" in e:
-            mem = f"{e['device_used_gib_after_runs'][-1]:.1f} GiB in use"
-        else:
-            mem = "-"
-        note = ""
-        if m == "sglang_uniprefill":
-            k = e["kept"]
-            fr = k["kept_fraction_per_stage_long"]
-            note = (f"{k['num_enabled']}/{n} prompts dropped; long prompts keep "
-                    f"{fr[-1]:.0%} after the last drop" if fr else "no prompt dropped")
-        cpu = f"{e['cpu_s_median']:.1f}" if e.get("cpu_s_median") is not None else "-"
-        print(f"| {m} | {e['median_s']:.2f} | {speed} | {cpu} | {mem} | {note} |")
-    for k, v in result["checks"].items():
-        print(f"{k}: {v}")
-    result["loadavg_1min_at_end"] = os.getloadavg()[0]
+    # ---- table: batch size --batch-size, every profile
+    log("")
+    log(f"{result['device_name']}, {name}, {result['dtype']}, batch {bsz}, "
+        f"pool {pool_n}: mean per batch, ms (peak MiB, weights included)")
+    log("| profile | metric | " + " | ".join(methods) + " |")
+    log("|---" * (len(methods) + 2) + "|")
+    for p in profiles:
+        res = result["profiles"][p]
+        for metric in METRICS:
+            cells = []
+            for m in methods:
+                e = (res["hf"].get(f"{m}/{metric}", {}) if m in HF_METHODS else
+                     res["sglang"].get(m, {}) if metric == "ttft" else {}).get(str(bsz))
+                if not e:
+                    cells.append("-")
+                elif e.get("oom"):
+                    cells.append("OOM")
+                else:
+                    mem = f" ({e['peak_mib']:.0f})" if e.get("peak_mib") else ""
+                    cells.append(f"{e['mean_s_per_batch'] * 1e3:.1f}{mem}")
+            log(f"| {p} | {metric} | " + " | ".join(cells) + " |")
     save()
-    print(f"wrote {out_path}")
+    log(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

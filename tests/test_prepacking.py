@@ -207,3 +207,55 @@ def test_flash_attention_is_refused(tiny_llama):
             run_packed(tiny_llama, batch)
     finally:
         tiny_llama.config._attn_implementation = old
+
+
+# ---------------------------------------------------------------------------- benchmark smoke run
+
+
+def _run_bench(tmp_path, *extra):
+    """benchmarks/bench_prepacking.py on the CPU: SmolLM2, 4 prompts of <= 16 tokens, batch 2."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "prepacking_smoke.json"
+    cmd = [sys.executable, str(repo / "benchmarks" / "bench_prepacking.py"), "--device", "cpu",
+           "--profiles", "mmlu", "--pool", "4", "--batch-size", "2", "--sweep-sizes", "2",
+           "--max-len", "16", "--repeats", "1", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_common(res):
+    assert set(res["header"]) >= {"command", "date", "commit", "device", "sglang", "model"}
+    prof = res["profiles"]["mmlu"]
+    assert prof["lengths"]["n"] == 4 and prof["lengths"]["max"] <= 16
+    for m in ("hf_padded", "hf_lenorder", "hf_packed"):
+        for metric in ("prefill", "ttft"):
+            e = prof["hf"][f"{m}/{metric}"]["2"]
+            assert e["num_batches"] == 2 and e["mean_s_per_batch"] > 0, (m, metric, e)
+    # The paper's TTFT path gives the same first token as the padded batch (fp32).
+    assert prof["checks"]["ttft_first_token_packed_equals_padded"] == "4/4"
+    assert prof["checks"]["ttft_logits_packed_vs_padded_max_rel_err"] < 1e-4
+    return prof
+
+
+def test_bench_smoke_hf_methods(tmp_path):
+    """The HF half of the benchmark (no SGLang engine): seconds on an idle 2-core CPU."""
+    res = _run_bench(tmp_path, "--methods", "hf_padded,hf_lenorder,hf_packed")
+    _check_common(res)
+    assert "sglang" not in res
+
+
+@pytest.mark.engine
+def test_bench_smoke_all_methods(tmp_path):
+    """Every method, SGLang's CPU engine included (one engine start)."""
+    res = _run_bench(tmp_path)
+    prof = _check_common(res)
+    for m in ("sglang_dense", "sglang_uniprefill"):
+        e = prof["sglang"][m]["2"]
+        assert e["num_batches"] == 2 and e["mean_s_per_batch"] > 0
+    assert res["sglang"]["memory_usage"]["token_capacity"] > 0
