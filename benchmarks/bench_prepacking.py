@@ -501,6 +501,8 @@ def main() -> None:
                                 f"weights, {str(dtype).replace('torch.', '')})"),
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                              if cuda else None),
         "versions": {"torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
         "model_path": str(args.model_path),
