@@ -8,6 +8,9 @@ depth is known.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+from pathlib import Path
 from typing import Optional, Sequence
 
 # Architectures whose decoder layer follows the Llama pattern the integration relies on
@@ -38,8 +41,53 @@ DEFAULT_LAST_QUERIES = 128
 DEFAULT_MAX_PARKED_TOKENS = 131072
 
 
+# Profiles written by `python -m uniprefill_sglang.calibrate` for the models we calibrated.
+SHIPPED_PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
 class UniPrefillConfigError(ValueError):
     """An invalid UniPrefill knob; the message names the flag and the valid range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """The schedule of a calibration profile and the model it was calibrated for."""
+    path: str
+    drop_layers: tuple[int, ...]
+    top_p: float
+    block_size: int
+    architecture: Optional[str] = None
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+
+    def matches(self, architectures: Sequence[str], num_layers: int, hidden_size: int) -> bool:
+        return (self.architecture in architectures and self.num_layers == num_layers
+                and self.hidden_size == hidden_size)
+
+
+@functools.lru_cache(maxsize=16)
+def load_profile(path: str) -> Profile:
+    """Read a profile JSON (see uniprefill_sglang/calibrate.py). Raises UniPrefillConfigError."""
+    try:
+        data = json.loads(Path(path).read_text())
+        schedule, model = data["schedule"], data.get("model", {})
+        return Profile(path=str(path), drop_layers=tuple(int(l) for l in schedule["drop_layers"]),
+                       top_p=float(schedule["top_p"]), block_size=int(schedule["block_size"]),
+                       architecture=model.get("architecture"), num_layers=model.get("num_layers"),
+                       hidden_size=model.get("hidden_size"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UniPrefillConfigError(
+            f"--uniprefill-profile {path}: not a readable UniPrefill profile ({e!r})") from None
+
+
+def find_shipped_profile(architectures: Sequence[str], num_layers: int, hidden_size: int,
+                         profile_dir: Path = SHIPPED_PROFILE_DIR) -> Optional[Profile]:
+    """The shipped profile calibrated for this architecture, depth and hidden size, if any."""
+    for path in sorted(Path(profile_dir).glob("*.json")):
+        profile = load_profile(str(path))
+        if profile.matches(architectures, num_layers, hidden_size):
+            return profile
+    return None
 
 
 def default_drop_layers(num_layers: int) -> tuple[int, ...]:
@@ -102,6 +150,8 @@ class UniPrefillConfig:
     drop_layers: Optional[tuple[int, ...]] = None
     min_prompt_tokens: int = 0
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS
+    # The profile that supplied the knobs no flag set (None: none).
+    profile: Optional[str] = None
 
     @property
     def min_tokens_to_drop(self) -> int:
@@ -118,14 +168,27 @@ def build_config(
     *,
     top_p: Optional[float],
     keep_ratio,
-    block_size: int,
+    block_size: Optional[int],
     sink_tokens: int,
     last_queries: int,
     drop_layers,
     min_prompt_tokens: int,
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
+    profile: Optional[Profile] = None,
 ) -> UniPrefillConfig:
-    """Validate the raw flag values and build the config. Raises UniPrefillConfigError."""
+    """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
+
+    A ``profile`` supplies the drop layers, top-p and block size that no flag sets (None means
+    unset; a keep ratio replaces the profile's top-p)."""
+    if profile is not None:
+        if parse_drop_layers(drop_layers) is None:
+            drop_layers = profile.drop_layers
+        if top_p is None and keep_ratio is None:
+            top_p = profile.top_p
+        if block_size is None:
+            block_size = profile.block_size
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
     if top_p is not None and keep_ratio is not None:
         raise UniPrefillConfigError(
             "--uniprefill-top-p and --uniprefill-keep-ratio are mutually exclusive: "
@@ -173,6 +236,7 @@ def build_config(
         drop_layers=layers,
         min_prompt_tokens=int(min_prompt_tokens),
         max_parked_tokens=int(max_parked_tokens),
+        profile=None if profile is None else profile.path,
     )
 
 

@@ -24,6 +24,8 @@ from uniprefill_sglang.config import (
     UniPrefillConfig,
     UniPrefillConfigError,
     build_config,
+    find_shipped_profile,
+    load_profile,
     validate_for_model,
 )
 
@@ -61,8 +63,9 @@ class UniPrefillServerArgs(ServerArgs):
                  "a comma-separated list gives one per drop layer (the last repeats)."),
     ] = None
     uniprefill_block_size: A[
-        int, Arg(help="UniPrefill: tokens per scored block (a power of two).")
-    ] = DEFAULT_BLOCK_SIZE
+        Optional[int],
+        Arg(help=f"UniPrefill: tokens per scored block (a power of two; default {DEFAULT_BLOCK_SIZE}).")
+    ] = None
     uniprefill_sink_tokens: A[
         int, Arg(help="UniPrefill: the first N prompt tokens are always kept.")
     ] = DEFAULT_SINK_TOKENS
@@ -83,6 +86,13 @@ class UniPrefillServerArgs(ServerArgs):
                  "between chunks so the final chunk's queries score them; longer prompts drop "
                  "within the final chunk only. 0 disables parking."),
     ] = DEFAULT_MAX_PARKED_TOKENS
+    uniprefill_profile: A[
+        Optional[str],
+        Arg(help="UniPrefill: a profile JSON written by `python -m uniprefill_sglang.calibrate`; "
+                 "it sets the drop layers, top-p and block size that no flag sets. Unset: the "
+                 "profile shipped for the model's architecture, depth and hidden size, if any; "
+                 "'none': no profile."),
+    ] = None
 
     def __post_init__(self):
         if self.enable_uniprefill:
@@ -104,6 +114,9 @@ class UniPrefillServerArgs(ServerArgs):
             self._check_uniprefill_model()
 
     def uniprefill_config(self) -> UniPrefillConfig:
+        profile = None
+        if self.uniprefill_profile and self.uniprefill_profile.strip().lower() != "none":
+            profile = load_profile(self.uniprefill_profile)
         return build_config(
             top_p=self.uniprefill_top_p,
             keep_ratio=self.uniprefill_keep_ratio,
@@ -113,6 +126,7 @@ class UniPrefillServerArgs(ServerArgs):
             drop_layers=self.uniprefill_drop_layers,
             min_prompt_tokens=self.uniprefill_min_prompt_tokens,
             max_parked_tokens=self.uniprefill_max_parked_tokens,
+            profile=profile,
         )
 
     def _check_uniprefill_modes(self):
@@ -187,9 +201,35 @@ class UniPrefillServerArgs(ServerArgs):
             logger.info("UniPrefill: model config not readable at start-up (%s)", e)
             return
         text_config = getattr(hf_config, "text_config", hf_config)
+        self._resolve_uniprefill_profile(
+            getattr(hf_config, "architectures", None) or [], text_config.num_hidden_layers,
+            text_config.hidden_size)
         validate_for_model(
             self.uniprefill_config(),
             getattr(hf_config, "architectures", None) or [],
             text_config.num_hidden_layers,
             layer_types=getattr(text_config, "layer_types", None),
         )
+
+    def _resolve_uniprefill_profile(self, architectures, num_layers: int, hidden_size: int):
+        """Pick the shipped profile for this model when none was given (the scheduler processes
+        receive these args and load the same file), and say which profile is in use."""
+        if self.uniprefill_profile is None:
+            shipped = find_shipped_profile(architectures, num_layers, hidden_size)
+            if shipped is None:
+                return
+            self.uniprefill_profile = shipped.path
+        elif self.uniprefill_profile.strip().lower() == "none":
+            return
+        profile = load_profile(self.uniprefill_profile)
+        if not profile.matches(architectures, num_layers, hidden_size):
+            logger.warning(
+                "UniPrefill profile %s was calibrated for %s (%s layers, hidden %s), not this "
+                "model (%s, %d layers, hidden %d)", profile.path, profile.architecture,
+                profile.num_layers, profile.hidden_size, ", ".join(architectures), num_layers,
+                hidden_size)
+        config = self.uniprefill_config()
+        logger.info("UniPrefill profile %s: drop layers %s, %s, block size %d", profile.path,
+                    list(config.resolved_drop_layers(num_layers)),
+                    f"keep ratio {config.keep_ratio}" if config.keep_ratio else f"top-p {config.top_p}",
+                    config.block_size)

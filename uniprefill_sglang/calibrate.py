@@ -1,0 +1,773 @@
+"""Find a drop schedule that keeps a model's answers: ``python -m uniprefill_sglang.calibrate``.
+
+    python -m uniprefill_sglang.calibrate --model smollm2 --lengths 2048,4096,8192 \\
+        --target-agreement 0.98 --out smollm2.json
+
+Two steps, so that the search stays cheap:
+
+1. **Offline estimate** (Hugging Face transformers, float32, one dense pass per calibration
+   case): hooks record each layer's post-RoPE queries of the last ``--last-queries`` tokens and
+   every token's keys, and the same pass greedily answers the case. Every candidate schedule
+   (drop layers x top-p x block size) is then replayed on those tensors with the plugin's own
+   scoring and selection references: a later drop scores only the survivors of the earlier ones
+   (softmax over the survivors' keys). What it cannot see is that after a real drop the later
+   layers' hidden states change (they attend to fewer tokens), so their queries and keys differ:
+   the replay is an estimate. It predicts, per case, the kept tokens per stage and whether every
+   token of the needle (the expected answer in the context) survives, and ranks the candidates.
+   The same pass's greedy answer is the dense reference of the calibration cases.
+2. **Confirmation** by real generation through SGLang (the CPU engine without CUDA) with
+   ``--enable-uniprefill`` and the candidate's drop layers and block size (one engine per layer
+   set and block size; top-p per request): the best ``--confirm`` candidates by FLOP saving among
+   those whose estimated agreement meets the target, on the calibration cases dense answers
+   right. The schedule with the largest FLOP saving whose confirmed agreement meets the target
+   wins, and is run again on held-out cases (other seeds and depths) that neither step saw.
+   Agreements in the profile and the table are the confirmed ones.
+
+FLOP saving: the prefill FLOPs of the kept tokens per stage (attention and MLP per layer; the
+drop layer's attention still sees every token, its MLP only the survivors) against dense.
+
+Output: a profile JSON (``--uniprefill-profile`` reads it), a PNG heat map beside it (per drop
+layer: kept fraction and needle survival at each top-p, for a single drop there) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+NEEDLE_TASKS = ("niah_number", "niah_uuid", "niah_word", "niah_multikey", "niah_multivalue")
+TOP_P_GRID = (0.98, 0.99, 0.995, 0.998, 0.999)
+BLOCK_SIZES = (16, 32, 64)
+MAX_DROPS = 3
+PROFILE_FORMAT = "uniprefill-profile/1"
+DENSE = {"uniprefill": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    drop_layers: tuple[int, ...]
+    top_p: float
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        layers = ",".join(map(str, self.drop_layers))
+        return f"layers {layers} top-p {self.top_p:g} block {self.block_size}"
+
+
+@dataclasses.dataclass
+class ModelShape:
+    """What the FLOP model and the profile's identity need from the Hugging Face config."""
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        cfg = getattr(cfg, "text_config", cfg)
+        heads = cfg.num_attention_heads
+        return cls(architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
+                   num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                   intermediate_size=cfg.intermediate_size, num_heads=heads,
+                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   context_length=getattr(cfg, "max_position_embeddings", 8192))
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: ModelShape) -> float:
+    """Prefill FLOPs of one prompt whose stage s holds ``kept[s]`` tokens (kept[0]: the prompt).
+
+    Per layer: the attention sublayer (projections and a causal n x n attention) runs on the
+    tokens entering the layer; at a drop layer the MLP runs on the survivors only."""
+    h, d = shape.hidden_size, shape.head_dim
+    attn_params = h * (shape.num_heads * d + 2 * shape.num_kv_heads * d) + shape.num_heads * d * h
+    mlp_params = 3 * h * shape.intermediate_size
+    total, stage = 0.0, 0
+    for layer in range(shape.num_layers):
+        n = kept[min(stage, len(kept) - 1)]
+        total += 2.0 * attn_params * n + 2.0 * shape.num_heads * d * n * n
+        if stage < len(drop_layers) and layer == drop_layers[stage]:
+            stage += 1
+        total += 2.0 * mlp_params * kept[min(stage, len(kept) - 1)]
+    return total
+
+
+def flop_ideal_speedup(kept_per_case: Sequence[Sequence[int]], drop_layers: Sequence[int],
+                       shape: ModelShape) -> float:
+    """Dense FLOPs over UniPrefill FLOPs, summed over the cases."""
+    dense = sum(prefill_flops([k[0]], (), shape) for k in kept_per_case)
+    sparse = sum(prefill_flops(k, drop_layers, shape) for k in kept_per_case)
+    return dense / sparse if sparse else 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# candidates
+
+
+def candidate_layer_sets(num_layers: int, max_drops: int = MAX_DROPS,
+                         first_step: Optional[int] = None) -> list[tuple[int, ...]]:
+    """First drop every ``first_step`` layers from layer 2; 1..max_drops drops spread evenly from
+    there to 85% of the depth (where the paper's Llama schedule ends)."""
+    step = first_step or max(1, num_layers // 10)
+    last = round(0.85 * (num_layers - 1))
+    sets = []
+    for first in range(2, num_layers - 2, step):
+        for n in range(1, max_drops + 1):
+            if n == 1:
+                layers = (first,)
+            elif first + n - 1 > last:
+                continue
+            else:
+                layers = tuple(sorted({round(first + i * (last - first) / (n - 1))
+                                       for i in range(n)}))
+            if layers not in sets:
+                sets.append(layers)
+    return sets
+
+
+def candidate_schedules(layer_sets, top_ps=TOP_P_GRID, block_sizes=BLOCK_SIZES) -> list[Schedule]:
+    return [Schedule(tuple(ls), float(p), int(b))
+            for ls in layer_sets for b in block_sizes for p in top_ps]
+
+
+# ---------------------------------------------------------------------------------------------
+# needles
+
+
+def needle_token_spans(case, offsets: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Per expected answer, the token ranges [start, end) of its every occurrence in the
+    context (the question and the answer primer excluded)."""
+    context_end = case.prompt.rfind(case.question)
+    text = case.prompt[:context_end if context_end > 0 else len(case.prompt)]
+    spans = []
+    for answer in case.answers:
+        occurrences = []
+        for m in re.finditer(r"(?<![0-9A-Za-z])" + re.escape(answer) + r"(?![0-9A-Za-z])",
+                             text, flags=re.IGNORECASE):
+            tokens = [i for i, (a, b) in enumerate(offsets) if b > m.start() and a < m.end()]
+            if tokens:
+                occurrences.append((tokens[0], tokens[-1] + 1))
+        spans.append(occurrences)
+    return spans
+
+
+def needle_survives(kept_positions, spans) -> bool:
+    """Every answer has at least one occurrence whose tokens all survive."""
+    import torch
+
+    kept = torch.zeros(int(kept_positions.max()) + 1 if kept_positions.numel() else 1,
+                       dtype=torch.bool)
+    kept[kept_positions] = True
+
+    def whole(a, b):
+        return b <= kept.numel() and bool(kept[a:b].all())
+
+    return all(any(whole(a, b) for a, b in occ) for occ in spans)
+
+
+# ---------------------------------------------------------------------------------------------
+# offline: one dense pass per case, then every schedule replayed on its queries and keys
+
+
+class DensePass:
+    """A Hugging Face model whose attention layers record post-RoPE queries (last tokens) and
+    keys of one prefill."""
+
+    def __init__(self, model_path: str, last_queries: int, device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        self.model.eval()
+        self.last_queries = last_queries
+        self.recording = False
+        self.queries: dict[int, torch.Tensor] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        layers = self.model.model.layers
+        for i, layer in enumerate(layers):
+            layer.self_attn.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+        self.sm_scale = layers[0].self_attn.scaling
+
+    def _hook(self, layer_idx: int):
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        def record(module, args, kwargs):
+            if not self.recording:
+                return
+            hidden = kwargs.get("hidden_states", args[0] if args else None)[0]  # [N, H]
+            cos, sin = (t[0].unsqueeze(1) for t in kwargs["position_embeddings"])  # [N, 1, D]
+            d, n_q = module.head_dim, self.last_queries
+            q = module.q_proj(hidden[-n_q:]).view(-1, module.config.num_attention_heads, d)
+            k = module.k_proj(hidden).view(hidden.shape[0], -1, d)
+            self.queries[layer_idx] = (q * cos[-n_q:] + rotate_half(q) * sin[-n_q:]).detach().cpu()
+            self.keys[layer_idx] = (k * cos + rotate_half(k) * sin).detach().cpu()
+
+        return record
+
+    def run(self, input_ids: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+        """Prefill (recording) and greedy decode; returns the generated ids."""
+        import torch
+
+        with torch.inference_mode():
+            self.recording = True
+            out = self.model(input_ids=torch.tensor([input_ids], device=self.device), use_cache=True,
+                             logits_to_keep=1)
+            self.recording = False
+            cache, generated = out.past_key_values, []
+            next_id = int(out.logits[0, -1].argmax())
+            while True:
+                generated.append(next_id)
+                if next_id in eos_ids or len(generated) >= max_new_tokens:
+                    break
+                out = self.model(input_ids=torch.tensor([[next_id]], device=self.device),
+                                 past_key_values=cache,
+                                 use_cache=True)
+                cache = out.past_key_values
+                next_id = int(out.logits[0, -1].argmax())
+        return generated
+
+
+class ScheduleReplay:
+    """Replays drop schedules on one case's recorded queries and keys (cumulative drops; the
+    selection rule of the plugin, kernels/reference.py)."""
+
+    def __init__(self, queries, keys, sm_scale: float, sink_tokens: int, last_queries: int):
+        import torch
+
+        self.queries, self.keys, self.sm_scale = queries, keys, sm_scale
+        self.sink_tokens, self.last_queries = sink_tokens, last_queries
+        self.num_tokens = next(iter(keys.values())).shape[0]
+        n_q = next(iter(queries.values())).shape[0]
+        self.query_pos = torch.arange(self.num_tokens - n_q, self.num_tokens)
+        self._first_scores: dict[int, "torch.Tensor"] = {}
+        self._survivors: dict[tuple, "torch.Tensor"] = {}
+
+    def _scores(self, layer: int, positions):
+        from uniprefill_sglang.kernels.reference import score_segment_reference
+
+        return score_segment_reference(self.queries[layer], self.query_pos,
+                                       self.keys[layer][positions], positions, self.sm_scale)
+
+    def survivors(self, drop_layers: tuple[int, ...], top_p: float, block_size: int):
+        """Positions left after the last of ``drop_layers``."""
+        import torch
+
+        from uniprefill_sglang.kernels.reference import select_segment_reference
+
+        if not drop_layers:
+            return torch.arange(self.num_tokens)
+        key = (drop_layers, top_p, block_size)
+        if key not in self._survivors:
+            before = self.survivors(drop_layers[:-1], top_p, block_size)
+            layer = drop_layers[-1]
+            if len(drop_layers) == 1:  # every token scores: shared by all top-p / block sizes
+                if layer not in self._first_scores:
+                    self._first_scores[layer] = self._scores(layer, before)
+                scores = self._first_scores[layer]
+            else:
+                scores = self._scores(layer, before)
+            keep = select_segment_reference(scores, before, block_size, top_p, 0.0,
+                                            self.sink_tokens, self.last_queries)
+            self._survivors[key] = before[keep]
+        return self._survivors[key]
+
+    def kept_per_stage(self, schedule: Schedule) -> list[int]:
+        return [self.num_tokens] + [
+            int(self.survivors(schedule.drop_layers[:i + 1], schedule.top_p,
+                               schedule.block_size).numel())
+            for i in range(len(schedule.drop_layers))]
+
+
+def estimate_cases(model_path: str, cases, schedules: Sequence[Schedule], heatmap_layers,
+                   tokenizer, sink_tokens: int, last_queries: int, progress: bool = True,
+                   device: str = "cpu", top_ps: Sequence[float] = TOP_P_GRID):
+    """Per case: the dense answer (HF), the needle spans, and per schedule the estimated kept
+    tokens per stage and needle survival; plus single-drop figures per layer for the heat map."""
+    from tqdm import tqdm
+
+    dense_pass = DensePass(model_path, last_queries, device)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    records = []
+    for case in tqdm(cases, desc="offline dense pass + replay", unit="case", disable=not progress,
+                     file=sys.stderr):
+        generated = dense_pass.run(case.input_ids, case.max_new_tokens, eos)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        enc = tokenizer(case.prompt, return_offsets_mapping=True)
+        if list(enc["input_ids"]) != list(case.input_ids):
+            raise RuntimeError(f"{case.name}: offsets do not match the case's token ids")
+        spans = needle_token_spans(case, enc["offset_mapping"])
+        replay = ScheduleReplay(dense_pass.queries, dense_pass.keys, dense_pass.sm_scale,
+                                sink_tokens, last_queries)
+        per_schedule = {}
+        for s in schedules:
+            final = replay.survivors(s.drop_layers, s.top_p, s.block_size)
+            per_schedule[s] = {"kept": replay.kept_per_stage(s),
+                               "needle_kept": needle_survives(final, spans)}
+        single = {}
+        for layer in heatmap_layers:
+            for p in top_ps:
+                final = replay.survivors((layer,), p, heatmap_layers[layer])
+                single[(layer, p)] = (final.numel() / replay.num_tokens,
+                                      needle_survives(final, spans))
+        records.append({"case": case, "hf_dense_text": text,
+                        "hf_dense_correct": case.check(text), "schedules": per_schedule,
+                        "single_drop": single})
+        dense_pass.queries.clear()
+        dense_pass.keys.clear()
+        del replay
+    del dense_pass
+    gc.collect()
+    return records
+
+
+def summarize_estimates(records, schedules, shape: ModelShape, lengths) -> list[dict]:
+    """Per schedule: estimated agreement (needle kept, on the cases HF dense answers right),
+    kept after the last drop and FLOP-ideal speed-up per length."""
+    right = [r for r in records if r["hf_dense_correct"]] or records
+    rows = []
+    for s in schedules:
+        kept_by_len = defaultdict(list)
+        for r in records:
+            kept_by_len[r["case"].target_tokens].append(r["schedules"][s]["kept"])
+        agree = sum(r["schedules"][s]["needle_kept"] for r in right)
+        rows.append({
+            "schedule": s, "est_agree": agree, "est_cases": len(right),
+            "est_agreement": agree / len(right),
+            "est_kept_final": {L: _final_fraction(kept_by_len[L]) for L in lengths},
+            "est_flop_ideal": {L: flop_ideal_speedup(kept_by_len[L], s.drop_layers, shape)
+                               for L in lengths},
+        })
+    return rows
+
+
+def _final_fraction(kept_per_case) -> float:
+    return sum(k[-1] for k in kept_per_case) / max(1, sum(k[0] for k in kept_per_case))
+
+
+def _stage_fractions(kept_per_case) -> list[float]:
+    stages = max(len(k) for k in kept_per_case)
+    total = sum(k[0] for k in kept_per_case)
+    return [sum(k[min(s, len(k) - 1)] for k in kept_per_case) / total for s in range(1, stages)]
+
+
+# ---------------------------------------------------------------------------------------------
+# confirmation through SGLang
+
+
+def _use_cpu_engine() -> bool:
+    import torch
+
+    return os.environ.get("UNIPREFILL_CPU_ENGINE", "0" if torch.cuda.is_available() else "1") == "1"
+
+
+def start_engine(model_path: str, drop_layers, block_size: int, extra_kwargs: dict):
+    kwargs = dict(enable_uniprefill=True, disable_radix_cache=True,
+                  uniprefill_drop_layers=",".join(map(str, drop_layers)) or "none",
+                  uniprefill_block_size=block_size, **extra_kwargs)
+    if _use_cpu_engine():
+        from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
+
+        return make_cpu_engine(model_path, **kwargs)
+    import sglang
+
+    return sglang.Engine(model_path=model_path, **kwargs)
+
+
+def generate(engine, case, custom_params: dict) -> dict:
+    out = engine.generate(input_ids=case.input_ids, sampling_params={
+        "temperature": 0.0, "max_new_tokens": case.max_new_tokens,
+        "custom_params": custom_params})
+    entry = (out["meta_info"].get("uniprefill") or [{}])[-1]
+    return {"text": out["text"], "correct": case.check(out["text"]),
+            "kept": entry.get("kept_tokens") or [len(case.input_ids)]}
+
+
+def measured_summary(runs: list[dict], dense: dict, cases, schedule: Optional[Schedule],
+                     shape: ModelShape, lengths) -> dict:
+    """Agreement on the cases dense answers right; kept fractions and FLOP-ideal per length."""
+    right = [c for c in cases if dense[c.name]["correct"]]
+    by_name = {r["case"]: r for r in runs}
+    agree = sum(by_name[c.name]["correct"] for c in right if c.name in by_name)
+    out = {"agree": agree, "dense_correct": len(right), "cases": len(cases),
+           "agreement": agree / len(right) if right else None,
+           "failed": [c.name for c in right if c.name in by_name and not by_name[c.name]["correct"]],
+           "kept_fractions": {}, "flop_ideal_speedup": {}}
+    for L in lengths:
+        kept = [by_name[c.name]["kept"] for c in cases if c.target_tokens == L and c.name in by_name]
+        if kept and schedule is not None:
+            out["kept_fractions"][str(L)] = [round(x, 4) for x in _stage_fractions(kept)] \
+                if max(len(k) for k in kept) > 1 else []
+            out["flop_ideal_speedup"][str(L)] = round(
+                flop_ideal_speedup(kept, schedule.drop_layers, shape), 3)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def heatmap(records, heatmap_layers, lengths, path: str, title: str,
+            top_ps: Sequence[float] = TOP_P_GRID) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    layers = sorted(heatmap_layers)
+    kept = np.zeros((len(layers), len(top_ps)))
+    survive = np.zeros_like(kept)
+    for i, layer in enumerate(layers):
+        for j, p in enumerate(top_ps):
+            vals = [r["single_drop"][(layer, p)] for r in records]
+            kept[i, j] = np.mean([v[0] for v in vals])
+            survive[i, j] = np.mean([v[1] for v in vals])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.32 * len(layers) + 2.2))
+    for ax, data, label in ((axes[0], kept, "kept fraction"),
+                            (axes[1], survive, "needle kept (fraction of cases)")):
+        im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_xticks(range(len(top_ps)), [f"{p:g}" for p in top_ps])
+        ax.set_yticks(range(len(layers)), [str(l) for l in layers])
+        ax.set_xlabel("top-p")
+        ax.set_ylabel("drop layer (single drop)")
+        ax.set_title(label, fontsize=10)
+        for (i, j), v in np.ndenumerate(data):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
+                    color="white" if v < 0.6 else "black")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(f"{title}\n{len(records)} calibration cases, "
+                 f"{'/'.join(str(L) for L in lengths)} tokens; block size per layer as chosen",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(rows: list[dict], lengths) -> str:
+    head = ("| schedule | est. agreement | confirmed (calibration) | "
+            + " | ".join(f"kept {L} / FLOP-ideal" for L in lengths) + " |")
+    lines = [head, "|" + "---|" * (3 + len(lengths))]
+    for r in rows:
+        conf = r.get("confirmed")
+        confirmed = "-" if conf is None else f"{conf['agree']}/{conf['dense_correct']}"
+        cells = []
+        for L in lengths:
+            if conf and str(L) in conf["flop_ideal_speedup"]:
+                kept = (conf["kept_fractions"][str(L)] or [1.0])[-1]
+                cells.append(f"{kept:.0%} / {conf['flop_ideal_speedup'][str(L)]:.2f}x")
+            else:
+                cells.append(f"{r['est_kept_final'][L]:.0%} / {r['est_flop_ideal'][L]:.2f}x (est.)")
+        lines.append(f"| {r['schedule'].name}{r.get('tag', '')} | {r['est_agree']}/{r['est_cases']} | "
+                     f"{confirmed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent,
+                              check=True).stdout.strip() or None
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m uniprefill_sglang.calibrate",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True,
+                    help="a Hugging Face model folder, or smollm2 (converted once by model_zoo)")
+    ap.add_argument("--lengths", default="2048,4096,8192", help="prompt token budgets")
+    ap.add_argument("--target-agreement", type=float, default=0.98)
+    ap.add_argument("--out", default="uniprefill_profile.json")
+    ap.add_argument("--tasks", default=",".join(NEEDLE_TASKS))
+    ap.add_argument("--depths", default="0.2,0.5,0.8",
+                    help="calibration needle depths, cycled over the task x length grid")
+    ap.add_argument("--seeds", default="0", help="calibration seeds")
+    ap.add_argument("--heldout-depths", default="0.1,0.4,0.7,0.9")
+    ap.add_argument("--heldout-seeds", default="1", help="held-out seeds (none of --seeds)")
+    ap.add_argument("--top-p", default=",".join(map(str, TOP_P_GRID)), help="top-p candidates")
+    ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
+    ap.add_argument("--max-drops", type=int, default=MAX_DROPS)
+    ap.add_argument("--offline-threads", type=int, default=None,
+                    help="torch threads of the offline pass (1 is fastest on a loaded machine)")
+    ap.add_argument("--first-layer-step", type=int, default=None,
+                    help="first drop layer every N layers (default depth // 10)")
+    ap.add_argument("--layer-sets", default=None,
+                    help="explicit candidate drop-layer sets, ';'-separated (e.g. '4;4,12')")
+    ap.add_argument("--max-cases", type=int, default=None,
+                    help="use only the first N calibration and N held-out cases (smoke runs)")
+    ap.add_argument("--confirm", type=int, default=3,
+                    help="candidates confirmed by generation, best estimated FLOP saving first")
+    ap.add_argument("--compare-default", action="store_true",
+                    help="also run the default schedule on the held-out cases (one more engine)")
+    ap.add_argument("--sink-tokens", type=int, default=128)
+    ap.add_argument("--last-queries", type=int, default=128)
+    ap.add_argument("--engine-kwargs", default="{}", help="JSON of extra sglang.Engine kwargs")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if set(_ints(args.seeds)) & set(_ints(args.heldout_seeds)):
+        ap.error("--heldout-seeds must not share a seed with --seeds")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t_start = time.perf_counter()
+    if _use_cpu_engine():
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
+
+        activate_cpu_engine_env()  # before anything imports sglang
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer
+
+    from uniprefill_sglang.config import DEFAULT_TOP_P, default_drop_layers
+    from uniprefill_sglang.tools.model_zoo import MODELS, prepare_model
+    from uniprefill_sglang.tools.tasks import make_case
+
+    model_path = prepare_model(args.model) if args.model in MODELS else args.model
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engine_kwargs = json.loads(args.engine_kwargs)
+    progress = not args.no_progress
+    tasks = [t for t in args.tasks.split(",") if t]
+    # Room for the answer within the context.
+    budget = shape.context_length - 64
+    lengths = [min(L, budget) for L in _ints(args.lengths)]
+
+    def cases_for(seeds, depths):
+        # Depths cycle over the task x length grid: varied needle positions, one case per cell.
+        grid = [(s, L, t) for s in seeds for L in lengths for t in tasks]
+        grid = grid[:args.max_cases] if args.max_cases else grid
+        return [make_case(tokenizer, t, L, depths[i % len(depths)], s)
+                for i, (s, L, t) in enumerate(grid)]
+
+    calibration = cases_for(_ints(args.seeds), _floats(args.depths))
+    heldout = cases_for(_ints(args.heldout_seeds), _floats(args.heldout_depths))
+    print(f"{shape.architecture}, {shape.num_layers} layers, hidden {shape.hidden_size}: "
+          f"{len(calibration)} calibration and {len(heldout)} held-out cases", flush=True)
+
+    # --- offline estimate -------------------------------------------------------------------
+    if args.layer_sets:
+        layer_sets = [tuple(_ints(s)) for s in args.layer_sets.split(";")]
+    else:
+        layer_sets = candidate_layer_sets(shape.num_layers, args.max_drops, args.first_layer_step)
+    default_schedule = Schedule(default_drop_layers(shape.num_layers), DEFAULT_TOP_P, 64)
+    schedules = candidate_schedules(layer_sets, _floats(args.top_p), _ints(args.block_sizes))
+    # Heat map: every layer that a candidate drops first at, at the smallest block size.
+    heatmap_layers = {ls[0]: min(_ints(args.block_sizes)) for ls in layer_sets}
+    t0 = time.perf_counter()
+    import torch
+
+    if args.offline_threads:
+        torch.set_num_threads(args.offline_threads)
+    records = estimate_cases(model_path, calibration, [*schedules, default_schedule],
+                             heatmap_layers, tokenizer, args.sink_tokens, args.last_queries,
+                             progress, "cuda" if torch.cuda.is_available() else "cpu",
+                             _floats(args.top_p))
+    offline_s = time.perf_counter() - t0
+    estimates = summarize_estimates(records, schedules, shape, lengths)
+    default_estimate = summarize_estimates(records, [default_schedule], shape, lengths)[0]
+    longest = max(lengths)
+    passing = [r for r in estimates if r["est_agreement"] >= args.target_agreement]
+    passing.sort(key=lambda r: (-r["est_flop_ideal"][longest],
+                                -sum(r["est_flop_ideal"].values())))
+    to_confirm = passing[:args.confirm]
+    print(f"offline: {len(schedules)} schedules on {len(records)} cases in {offline_s:.0f} s; "
+          f"{len(passing)} meet the target by estimate", flush=True)
+    if not to_confirm:  # nothing meets the target by estimate: confirm the closest
+        to_confirm = sorted(estimates, key=lambda r: -r["est_agreement"])[:args.confirm]
+
+    # --- confirmation -------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    # Calibration cases: the offline pass's greedy answer is the dense reference.
+    dense: dict[str, dict] = {r["case"].name: {"case": r["case"].name, "text": r["hf_dense_text"],
+                                               "correct": r["hf_dense_correct"]} for r in records}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in to_confirm:
+        groups[(r["schedule"].drop_layers, r["schedule"].block_size)].append(r)
+    engines_started = 0
+    engine, engine_key = None, None
+
+    def use_engine(key):
+        nonlocal engine, engine_key, engines_started
+        if engine_key == key:
+            return engine
+        if engine is not None:
+            engine.shutdown()
+            engine = None
+            gc.collect()
+        engine = start_engine(model_path, key[0], key[1], engine_kwargs)
+        engine_key, engines_started = key, engines_started + 1
+        return engine
+
+    def run_dense(eng, cases, desc):
+        for c in tqdm(cases, desc=desc, unit="req", disable=not progress, file=sys.stderr):
+            if c.name not in dense:
+                dense[c.name] = {"case": c.name, **generate(eng, c, DENSE)}
+
+    try:
+        # The group of the best estimate last: if it wins, its engine serves the held-out cases.
+        for key, rows in reversed(list(groups.items())):
+            eng = use_engine(key)
+            right = [c for c in calibration if dense[c.name]["correct"]]
+            allowed_misses = math.floor((1 - args.target_agreement) * len(right) + 1e-9)
+            for r in rows:
+                s, runs, misses = r["schedule"], [], 0
+                for c in tqdm(right, desc=f"confirm {s.name}", unit="req", disable=not progress,
+                              file=sys.stderr):
+                    res = {"case": c.name, **generate(eng, c, {"uniprefill_top_p": s.top_p})}
+                    runs.append(res)
+                    misses += not res["correct"]
+                    if misses > allowed_misses:  # cannot meet the target any more
+                        break
+                r["confirmed"] = measured_summary(runs, dense, calibration, s, shape, lengths)
+                r["confirmed"]["stopped_early"] = len(runs) < len(right)
+                r["runs"] = runs
+        confirmed = [r for r in to_confirm if "confirmed" in r]
+        meeting = [r for r in confirmed if r["confirmed"]["agreement"] is not None
+                   and r["confirmed"]["agreement"] >= args.target_agreement
+                   and not r["confirmed"]["stopped_early"]]
+        if meeting:
+            best = max(meeting, key=lambda r: (r["confirmed"]["flop_ideal_speedup"].get(str(longest), 1.0),
+                                               r["est_flop_ideal"][longest]))
+        else:
+            best = max(confirmed, key=lambda r: (r["confirmed"]["agree"], r["est_flop_ideal"][longest]))
+        best["tag"] = " **chosen**"
+        s = best["schedule"]
+        eng = use_engine((s.drop_layers, s.block_size))
+        run_dense(eng, heldout, "dense (held-out)")
+        heldout_runs = [{"case": c.name, **generate(eng, c, {"uniprefill_top_p": s.top_p})}
+                        for c in tqdm([c for c in heldout if dense[c.name]["correct"]],
+                                      desc="held-out", unit="req", disable=not progress,
+                                      file=sys.stderr)]
+        heldout_summary = measured_summary(heldout_runs, dense, heldout, s, shape, lengths)
+        default_heldout = None
+        if args.compare_default:
+            d = default_schedule
+            eng = use_engine((d.drop_layers, d.block_size))
+            default_runs = [{"case": c.name, **generate(eng, c, {"uniprefill_top_p": d.top_p})}
+                            for c in tqdm([c for c in heldout if dense[c.name]["correct"]],
+                                          desc="default schedule, held-out", unit="req",
+                                          disable=not progress, file=sys.stderr)]
+            default_heldout = measured_summary(default_runs, dense, heldout, d, shape, lengths)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    confirm_s = time.perf_counter() - t0
+    duration = time.perf_counter() - t_start
+
+    # --- outputs ------------------------------------------------------------------------------
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = heatmap(records, heatmap_layers, lengths, str(out.with_suffix(".png")),
+                  f"{Path(model_path).name}: single drop per layer", _floats(args.top_p))
+
+    def schedule_json(sch: Schedule) -> dict:
+        return {"drop_layers": list(sch.drop_layers), "top_p": sch.top_p,
+                "block_size": sch.block_size}
+
+    def estimate_json(r) -> dict:
+        return {"agree": r["est_agree"], "cases": r["est_cases"],
+                "kept_final": {str(L): round(v, 4) for L, v in r["est_kept_final"].items()},
+                "flop_ideal_speedup": {str(L): round(v, 3) for L, v in r["est_flop_ideal"].items()}}
+
+    profile = {
+        "format": PROFILE_FORMAT,
+        "model": {"name": Path(model_path).name, "architecture": shape.architecture,
+                  "num_layers": shape.num_layers, "hidden_size": shape.hidden_size},
+        "schedule": schedule_json(s),
+        "agreement": {"target": args.target_agreement,
+                      "calibration": {k: best["confirmed"][k] for k in
+                                      ("agree", "dense_correct", "cases", "agreement", "failed")},
+                      "heldout": {k: heldout_summary[k] for k in
+                                  ("agree", "dense_correct", "cases", "agreement", "failed")}},
+        "kept_fractions": heldout_summary["kept_fractions"],
+        "flop_ideal_speedup": heldout_summary["flop_ideal_speedup"],
+        "calibration_kept_fractions": best["confirmed"]["kept_fractions"],
+        "calibration_flop_ideal_speedup": best["confirmed"]["flop_ideal_speedup"],
+        "estimate": estimate_json(best),
+        "default_schedule": {**schedule_json(default_schedule),
+                             "estimate": estimate_json(default_estimate),
+                             "heldout": default_heldout},
+        "confirmed_candidates": [{**schedule_json(r["schedule"]), "estimate": estimate_json(r),
+                                  "calibration": {k: r["confirmed"][k] for k in (
+                                      "agree", "dense_correct", "agreement", "stopped_early",
+                                      "kept_fractions", "flop_ideal_speedup")}}
+                                 for r in confirmed],
+        "cases": {"tasks": tasks, "lengths": lengths,
+                  "calibration": {"seeds": _ints(args.seeds), "depths": _floats(args.depths),
+                                  "names": [c.name for c in calibration]},
+                  "heldout": {"seeds": _ints(args.heldout_seeds),
+                              "depths": _floats(args.heldout_depths),
+                              "names": [c.name for c in heldout]},
+                  "dense_reference": {"calibration": "offline pass (transformers, float32)",
+                                      "heldout": "the SGLang engine, UniPrefill off"}},
+        "search": {"schedules": len(schedules), "layer_sets": [list(l) for l in layer_sets],
+                   "top_p": _floats(args.top_p), "block_sizes": _ints(args.block_sizes),
+                   "meeting_target_by_estimate": len(passing), "confirmed": len(confirmed),
+                   "engines_started": engines_started},
+        "timing_s": {"total": round(duration, 1), "offline": round(offline_s, 1),
+                     "confirmation": round(confirm_s, 1)},
+        "heatmap": os.path.basename(png),
+        "command": "python -m uniprefill_sglang.calibrate " + " ".join(argv_list),
+        "date": started.date().isoformat(),
+        "commit": _git_commit(),
+    }
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+
+    shown = sorted(confirmed, key=lambda r: -r["est_flop_ideal"][longest])
+    default_row = {**default_estimate, "tag": " (default)"}
+    print(table([*shown, default_row], lengths))
+    ho = heldout_summary
+    print(f"chosen: {s.name}; calibration {best['confirmed']['agree']}/"
+          f"{best['confirmed']['dense_correct']}, held-out {ho['agree']}/{ho['dense_correct']}"
+          f" (target {args.target_agreement:g}); FLOP-ideal on held-out "
+          + ", ".join(f"{L}: {v:.2f}x" for L, v in ho["flop_ideal_speedup"].items()))
+    if default_heldout:
+        print(f"default {default_schedule.name}: held-out {default_heldout['agree']}/"
+              f"{default_heldout['dense_correct']}; FLOP-ideal "
+              + ", ".join(f"{L}: {v:.2f}x" for L, v in default_heldout["flop_ideal_speedup"].items()))
+    print(f"wrote {out} and {png} in {duration / 60:.1f} min "
+          f"(offline {offline_s / 60:.1f}, confirmation {confirm_s / 60:.1f})")
+    return profile
+
+
+if __name__ == "__main__":
+    main()
