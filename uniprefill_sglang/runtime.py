@@ -192,6 +192,7 @@ class UniPrefillRuntime:
         queries, query_pos, keys, key_pos = [], [], [], []
         c = DropCandidates(None, None, [], None, None, [], [], [], [])
         selecting, joining, parking = [], JoiningRows(), []
+        empty = torch.empty(0, dtype=torch.int64, device=device)
         for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
             n = ctx.lens[b]
             own = torch.arange(start, start + n, device=device)
@@ -228,8 +229,10 @@ class UniPrefillRuntime:
                     own_q_pos = torch.cat([parked.last_q_pos, own_q_pos])
             fixed_len = ctx.fixed_lens[b]
             queries.append(own_q[-num_q:]), query_pos.append(own_q_pos[-num_q:])
-            prefix_slots, prefix_pos = self.slots.valid_slots(
-                req_to_token[req_rows[b], :fixed_len], stage)
+            prefix_slots = prefix_pos = empty  # valid_slots reads back its count: a sync
+            if fixed_len:
+                prefix_slots, prefix_pos = self.slots.valid_slots(
+                    req_to_token[req_rows[b], :fixed_len], stage)
             # Keys: the valid prefix (scored, never dropped), parked rows, this step's rows.
             keys.append(prefix_slots.to(torch.int64))
             key_pos.append(prefix_pos.to(torch.int64))
