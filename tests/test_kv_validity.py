@@ -155,3 +155,17 @@ def test_inconsistent_extend_counts_leave_the_row_stale_and_the_device_recounts_
     book.refresh_stale([1, 2], torch.tensor([1, 2]), torch.tensor([10, 5]), torch.tensor([10, 5]))
     assert book.gaps.get(1) == (1, 4) and book.gaps.get(2) == (0, 0)
     assert not book.gaps.is_stale(1)
+
+
+def test_valid_slots_with_a_host_count_equals_the_synchronising_form():
+    rng = random.Random(5)
+    slots = SlotStages(512, NUM_DROPS, "cpu")
+    for _ in range(20):
+        req_slots = torch.tensor(rng.sample(range(512), rng.randint(0, 200)))
+        slots.mark_written(req_slots)
+        for s in range(NUM_DROPS):  # drop a random subset after each drop layer
+            slots.mark_dropped(req_slots[torch.rand(req_slots.shape[0]) < 0.2], s)
+        for stage in range(NUM_DROPS + 1):
+            want_slots, want_pos = slots.valid_slots(req_slots, stage)
+            got_slots, got_pos = slots.valid_slots(req_slots, stage, count=want_pos.numel())
+            assert torch.equal(got_slots, want_slots) and torch.equal(got_pos, want_pos)

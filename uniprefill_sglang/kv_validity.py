@@ -76,10 +76,16 @@ class SlotStages:
         # Valid at stage s = slots whose stage is >= s: a reversed cumulative sum.
         return hist.view(bs, self.full + 1).flip(1).cumsum(1).flip(1)
 
-    def valid_slots(self, req_slots: torch.Tensor, stage: int):
-        """(slots, positions) of a request's KV that layers of `stage` hold, in position order."""
+    def valid_slots(self, req_slots: torch.Tensor, stage: int, count: Optional[int] = None):
+        """(slots, positions) of a request's KV that layers of `stage` hold, in position order.
+        `count`: how many there are, when the host knows it; without it, one device sync."""
         valid = self.valid_mask(req_slots, stage)
-        positions = torch.nonzero(valid, as_tuple=True)[0]
+        if count is None:
+            positions = torch.nonzero(valid, as_tuple=True)[0]
+        else:
+            n = valid.shape[0]
+            bounds = torch.tensor([0, n], dtype=torch.int64, device=valid.device)
+            positions = compact(torch.arange(n, device=valid.device), bounds, valid)[2][:count]
         return req_slots[positions], positions
 
 

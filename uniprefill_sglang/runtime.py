@@ -60,9 +60,7 @@ class UniPrefillRuntime:
         self.parking = ParkingLot(config.max_parked_tokens)
         # Observability: prefill forwards that carried decode rows; prompt tokens that reached
         # a drop with UniPrefill on, and how many were left after the last drop.
-        self.mixed_forwards = 0
-        self.scored_tokens = 0
-        self.kept_tokens = 0
+        self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
 
     @property
     def has_schedule(self) -> bool:
@@ -229,10 +227,11 @@ class UniPrefillRuntime:
                     own_q_pos = torch.cat([parked.last_q_pos, own_q_pos])
             fixed_len = ctx.fixed_lens[b]
             queries.append(own_q[-num_q:]), query_pos.append(own_q_pos[-num_q:])
-            prefix_slots = prefix_pos = empty  # valid_slots reads back its count: a sync
-            if fixed_len:
+            prefix_slots = prefix_pos = empty
+            if fixed_len:  # its count is known on the host: stage 0 holds every token
+                count = fixed_len if stage == 0 else ctx.prefix_valid[b][stage]
                 prefix_slots, prefix_pos = self.slots.valid_slots(
-                    req_to_token[req_rows[b], :fixed_len], stage)
+                    req_to_token[req_rows[b], :fixed_len], stage, count)
             # Keys: the valid prefix (scored, never dropped), parked rows, this step's rows.
             keys.append(prefix_slots.to(torch.int64))
             key_pos.append(prefix_pos.to(torch.int64))
@@ -287,7 +286,7 @@ class UniPrefillRuntime:
         ctx.lens[b] = 1
 
     def _check_extend_lens(self, ctx: DropContext, stage: int) -> None:
-        fb = ctx.forward_batch
+        fb = ctx.forward_batch  # debug: the views' lengths against the device
         self.stage_kv.check_extend(
             fb.req_pool_indices, fb.seq_lens,
             [p + n for p, n in zip(_prefix_lens(fb), fb.extend_seq_lens_cpu)],
