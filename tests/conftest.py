@@ -26,7 +26,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _want_cpu_engine() -> bool:
-    flag = os.environ.get("UNIPREFILL_CPU_ENGINE")
+    from uniprefill_sglang import environ
+
+    flag = environ.CPU_ENGINE.get()
     if flag is not None:
         return flag == "1"
     try:

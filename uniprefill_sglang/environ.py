@@ -37,6 +37,15 @@ class Choice:
         return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Text:
+    name: str
+    doc: str
+
+    def get(self) -> Optional[str]:
+        return os.environ.get(self.name) or None
+
+
 CHECK_TP = Flag(
     "UNIPREFILL_CHECK_TP",
     "with TP > 1, every drop all-gathers a digest of each rank's selection and raises on a "
@@ -59,4 +68,14 @@ TEST_FAULT = Choice(
     "the host KV gaps an extend records (they are re-read from the device)",
     ("drop", "kv_gaps"))
 
-ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT)
+# Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
+CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")
+SGL_KERNEL_STUB_DIR = Text(
+    "UNIPREFILL_SGL_KERNEL_STUB_DIR", "folder holding the test-only sgl_kernel stand-in")
+REPO_ROOT = Text("UNIPREFILL_REPO_ROOT", "a source checkout (its tests/stubs holds the stand-in)")
+CPU_ENGINE = Text(
+    "UNIPREFILL_CPU_ENGINE", "tests: '1' forces SGLang's CPU engine, '0' forbids it (default: "
+    "the CPU engine when CUDA is absent)")
+
+ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT, CACHE,
+       SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

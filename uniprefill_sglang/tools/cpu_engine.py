@@ -38,8 +38,10 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-STUB_ENV_VAR = "UNIPREFILL_SGL_KERNEL_STUB_DIR"
-REPO_ROOT_ENV_VAR = "UNIPREFILL_REPO_ROOT"
+from uniprefill_sglang import environ
+
+STUB_ENV_VAR = environ.SGL_KERNEL_STUB_DIR.name
+REPO_ROOT_ENV_VAR = environ.REPO_ROOT.name
 
 # Defaults for a 2-core / 24 GB box and SmolLM2-135M (8K context). Any can be overridden.
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = dict(
@@ -68,11 +70,11 @@ def find_stub_dir(repo_root: str | os.PathLike | None = None) -> Path:
     if repo_root is not None:
         candidates.append(("repo_root argument", Path(repo_root) / "tests" / "stubs"))
     else:
-        if os.environ.get(STUB_ENV_VAR):
-            candidates.append((STUB_ENV_VAR, Path(os.environ[STUB_ENV_VAR])))
-        if os.environ.get(REPO_ROOT_ENV_VAR):
+        if environ.SGL_KERNEL_STUB_DIR.get():
+            candidates.append((STUB_ENV_VAR, Path(environ.SGL_KERNEL_STUB_DIR.get())))
+        if environ.REPO_ROOT.get():
             candidates.append(
-                (REPO_ROOT_ENV_VAR, Path(os.environ[REPO_ROOT_ENV_VAR]) / "tests" / "stubs")
+                (REPO_ROOT_ENV_VAR, Path(environ.REPO_ROOT.get()) / "tests" / "stubs")
             )
         candidates.append(
             ("package checkout", Path(__file__).resolve().parents[2] / "tests" / "stubs")

