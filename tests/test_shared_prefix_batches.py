@@ -13,12 +13,16 @@ the engine must answer every request (dense, saying why) and keep serving.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
 import pytest
 
 pytestmark = pytest.mark.engine
+# Every engine of this module checks the host KV lengths against the device at each drop and
+# decode step; a failed check is never recovered from, so a miscount fails the test.
+os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 CHUNK = 512  # several prompts per prefill step, the last one of a step chunked
@@ -72,6 +76,7 @@ def _reasons(out):
     return [e["reason"] for e in out["meta_info"]["uniprefill"] if e["reason"] != "decode"]
 
 
+
 def _assert_idle_without_leak(engine):
     deadline = time.monotonic() + 30
     while True:
@@ -85,59 +90,71 @@ def _assert_idle_without_leak(engine):
     assert state["free_req_slots"] == state["req_slots"] and state["parked_requests"] == 0, state
 
 
-def test_shared_prefix_batches_with_every_knob(engine_factory, chat_prompts, monkeypatch):
-    monkeypatch.setenv("UNIPREFILL_CHECK_KV_LENS", "1")
-    engine = _engine(engine_factory, uniprefill_top_p=1.0)
+@pytest.fixture(scope="module")
+def baseline(module_engine_factory, chat_prompts):
+    """One healthy engine (server default top-p 1.0): every batch the tests compare against."""
+    engine = _engine(module_engine_factory, uniprefill_top_p=1.0)
     n = len(chat_prompts)
-    dense = _texts(_generate(engine, chat_prompts, [{"uniprefill": False}] * n))
-    top_p_one = _generate(engine, chat_prompts, [{}] * n)  # the server's top-p 1.0
-    keep_all = _generate(engine, chat_prompts, [{"uniprefill_keep_ratio": 1.0}] * n)
-    default = _generate(engine, chat_prompts, [{"uniprefill_top_p": 0.99}] * n)
-    mixed_knobs = [{"uniprefill_top_p": 0.9}, {"uniprefill": False}, {},
-                   {"uniprefill_keep_ratio": [0.5, 0.8]}, {"uniprefill_keep_ratio": 1.0},
-                   {"uniprefill_top_p": 0.99}, {}, {"uniprefill": False}]
-    mixed = _generate(engine, chat_prompts, mixed_knobs)
-
-    assert dense.count(dense[0]) < n, "the prompts should not all get one answer"
-    # Nothing dropped: token-identical to dense (the common prefix is inside the sinks).
-    assert _texts(top_p_one) == dense
-    assert _texts(keep_all) == dense
-    for i, knob in enumerate(mixed_knobs):
-        if knob in ({}, {"uniprefill": False}, {"uniprefill_keep_ratio": 1.0}):
-            assert mixed[i]["text"] == dense[i], (i, knob)
-    # The knobs that drop did drop, on the requests long enough for it.
-    kept = [o["meta_info"]["uniprefill"][-1]["kept_tokens"] for o in default + mixed[3:4]]
-    assert any(k[-1] < k[0] for k in kept), kept
-    # Some requests reused the cached system turn, some prompts were chunked.
-    assert any(o["meta_info"]["cached_tokens"] > 0 for o in top_p_one + mixed)
-    assert any(len(_reasons(o)) > 1 for o in top_p_one), "no prompt was chunked"
+    runs = {
+        "dense": _generate(engine, chat_prompts, [{"uniprefill": False}] * n),
+        "top_p_one": _generate(engine, chat_prompts, [{}] * n),
+        "keep_all": _generate(engine, chat_prompts, [{"uniprefill_keep_ratio": 1.0}] * n),
+        "mixed": _generate(engine, chat_prompts, MIXED_KNOBS),
+        "keep_half": _generate(engine, chat_prompts[:4], [KEEP_HALF] * 4),
+    }
     _assert_idle_without_leak(engine)
+    module_engine_factory.shutdown_all()
+    return runs
+
+
+MIXED_KNOBS = [{"uniprefill_top_p": 0.9}, {"uniprefill": False}, {},
+               {"uniprefill_keep_ratio": [0.5, 0.8]}, {"uniprefill_keep_ratio": 1.0},
+               {"uniprefill_top_p": 0.99}, {}, {"uniprefill": False}]
+DROPS_NOTHING = ({}, {"uniprefill": False}, {"uniprefill_keep_ratio": 1.0})
+KEEP_HALF = {"uniprefill_keep_ratio": 0.5}
+
+
+def test_shared_prefix_batches_with_every_knob(baseline, chat_prompts):
+    dense = _texts(baseline["dense"])
+    assert dense.count(dense[0]) < len(dense), "the prompts should not all get one answer"
+    # Nothing dropped: token-identical to dense (the common prefix is inside the sinks).
+    assert _texts(baseline["top_p_one"]) == dense
+    assert _texts(baseline["keep_all"]) == dense
+    for i, knob in enumerate(MIXED_KNOBS):
+        if knob in DROPS_NOTHING:
+            assert baseline["mixed"][i]["text"] == dense[i], (i, knob)
+    # The knobs that drop did drop.
+    kept = [o["meta_info"]["uniprefill"][-1]["kept_tokens"]
+            for o, k in zip(baseline["mixed"], MIXED_KNOBS) if k not in DROPS_NOTHING]
+    assert any(k[-1] < k[0] for k in kept), kept
+    # Some requests reused the cached system turn; some were chunked and their parked chunks
+    # rejoined (the final step scored more tokens than one chunk holds).
+    outs = baseline["top_p_one"] + baseline["mixed"]
+    assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs)
+    assert any(o["meta_info"]["uniprefill"][-1]["kept_tokens"][0] > CHUNK for o in outs)
 
 
 @pytest.mark.parametrize("fault", ["drop", "kv_gaps"])
-def test_a_fault_in_uniprefill_never_fails_a_request(engine_factory, chat_prompts, monkeypatch,
-                                                     fault):
+def test_a_fault_in_uniprefill_never_fails_a_request(engine_factory, baseline, chat_prompts,
+                                                     monkeypatch, fault):
     """'drop': every drop raises; the forward runs again dense and each request says why.
-    'kv_gaps': every extend records wrong host KV gaps; they are caught and re-read from the
-    device, so the outputs are those of a healthy engine."""
-    monkeypatch.setenv("UNIPREFILL_CHECK_KV_LENS", "1")
-    prompts = chat_prompts[:4]
-    healthy = _engine(engine_factory, uniprefill_keep_ratio="0.5")
-    want_dense = _texts(_generate(healthy, prompts, [{"uniprefill": False}] * len(prompts)))
-    want_dropped = _texts(_generate(healthy, prompts, [{}] * len(prompts)))
-    engine_factory.shutdown_all()
-
+    'kv_gaps': every extend records inconsistent host KV gaps; they are never used but read
+    back from the device, so the outputs are those of a healthy engine."""
     monkeypatch.setenv("UNIPREFILL_TEST_FAULT", fault)
-    engine = _engine(engine_factory, uniprefill_keep_ratio="0.5")
-    outs = _generate(engine, prompts, [{}] * len(prompts))
-    after = engine.generate(prompts[0], GREEDY)  # the engine keeps serving
+    prompts = chat_prompts[:4]
+    engine = _engine(engine_factory, uniprefill_top_p=1.0)
+    outs = _generate(engine, prompts, [KEEP_HALF] * len(prompts))
+    after = engine.generate(prompts[0], {**GREEDY, "custom_params": KEEP_HALF})  # still serving
+    want_dense = _texts(baseline["dense"][:4])
     if fault == "drop":
         assert _texts(outs) == want_dense
         for out in outs:
-            assert any("UniPrefill error, ran dense: UniPrefillError" in r
+            assert any("UniPrefill error, ran dense: UniPrefillError" in (r or "")
                        for r in _reasons(out)), out["meta_info"]["uniprefill"]
         assert after["text"] == want_dense[0]
     else:
-        assert _texts(outs) == want_dropped
-        assert after["text"] == want_dropped[0]
+        want = _texts(baseline["keep_half"])
+        assert want != want_dense, "keep 0.5 should change some answer of the healthy engine"
+        assert _texts(outs) == want
+        assert after["text"] == want[0]
     _assert_idle_without_leak(engine)
