@@ -383,7 +383,8 @@ def _use_cpu_engine() -> bool:
 
 
 def start_engine(model_path: str, drop_layers, block_size: int, extra_kwargs: dict):
-    kwargs = dict(enable_uniprefill=True, disable_radix_cache=True,
+    # No profile: the candidate alone decides (top-p comes with each request).
+    kwargs = dict(enable_uniprefill=True, disable_radix_cache=True, uniprefill_profile="none",
                   uniprefill_drop_layers=",".join(map(str, drop_layers)) or "none",
                   uniprefill_block_size=block_size, **extra_kwargs)
     if _use_cpu_engine():
@@ -458,7 +459,8 @@ def heatmap(records, heatmap_layers, lengths, path: str, title: str,
                     color="white" if v < 0.6 else "black")
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(f"{title}\n{len(records)} calibration cases, "
-                 f"{'/'.join(str(L) for L in lengths)} tokens; block size per layer as chosen",
+                 f"{'/'.join(str(L) for L in lengths)} tokens; block size "
+                 f"{'/'.join(sorted({str(b) for b in heatmap_layers.values()}))}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

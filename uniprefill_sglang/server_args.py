@@ -106,6 +106,8 @@ class UniPrefillServerArgs(ServerArgs):
                 self.attention_backend = "flashinfer"
             # Refuse unservable modes given on the command line before SGLang resolves them ...
             self._check_uniprefill_modes()
+            # (SGLang's resolution makes the args read-only.)
+            self._resolve_uniprefill_profile()
         super().__post_init__()
         if self.enable_uniprefill:
             # ... and again for what SGLang's resolution chose (a page size, a backend).
@@ -201,9 +203,6 @@ class UniPrefillServerArgs(ServerArgs):
             logger.info("UniPrefill: model config not readable at start-up (%s)", e)
             return
         text_config = getattr(hf_config, "text_config", hf_config)
-        self._resolve_uniprefill_profile(
-            getattr(hf_config, "architectures", None) or [], text_config.num_hidden_layers,
-            text_config.hidden_size)
         validate_for_model(
             self.uniprefill_config(),
             getattr(hf_config, "architectures", None) or [],
@@ -211,16 +210,27 @@ class UniPrefillServerArgs(ServerArgs):
             layer_types=getattr(text_config, "layer_types", None),
         )
 
-    def _resolve_uniprefill_profile(self, architectures, num_layers: int, hidden_size: int):
+    def _resolve_uniprefill_profile(self):
         """Pick the shipped profile for this model when none was given (the scheduler processes
         receive these args and load the same file), and say which profile is in use."""
+        if (self.uniprefill_profile or "").strip().lower() == "none":
+            return
+        try:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code)
+        except Exception as e:  # an explicit profile still applies, unchecked
+            logger.info("UniPrefill: model config not readable for the profile lookup (%s)", e)
+            return
+        text_config = getattr(hf_config, "text_config", hf_config)
+        architectures = getattr(hf_config, "architectures", None) or []
+        num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
         if self.uniprefill_profile is None:
             shipped = find_shipped_profile(architectures, num_layers, hidden_size)
             if shipped is None:
                 return
             self.uniprefill_profile = shipped.path
-        elif self.uniprefill_profile.strip().lower() == "none":
-            return
         profile = load_profile(self.uniprefill_profile)
         if not profile.matches(architectures, num_layers, hidden_size):
             logger.warning(

@@ -1,0 +1,226 @@
+"""`python -m uniprefill_sglang.calibrate`: the offline estimate, the FLOP model, profile loading
+and precedence (fast), and one end-to-end run on a tiny slice whose profile an engine then
+starts with (`engine`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from uniprefill_sglang import calibrate as cal
+from uniprefill_sglang.config import (
+    DEFAULT_BLOCK_SIZE,
+    SHIPPED_PROFILE_DIR,
+    UniPrefillConfigError,
+    build_config,
+    default_drop_layers,
+    find_shipped_profile,
+    load_profile,
+)
+from uniprefill_sglang.kernels.reference import score_segment_reference, select_segment_reference
+from uniprefill_sglang.selection import DropCandidates, SelectionRule, select_survivors_reference
+
+SMOLLM2 = cal.ModelShape("LlamaForCausalLM", 30, 576, 1536, 9, 3, 64, 8192)
+FLAGS = dict(top_p=None, keep_ratio=None, block_size=None, sink_tokens=128, last_queries=128,
+             drop_layers=None, min_prompt_tokens=0)
+
+
+def _recorded(n_tokens=700, n_queries=32, layers=(2, 5), seed=0, needle=(300, 310)):
+    """Random post-RoPE queries/keys for a few layers; the needle's keys align with the queries."""
+    g = torch.Generator().manual_seed(seed)
+    queries, keys = {}, {}
+    for layer in layers:
+        q = torch.randn(n_queries, 6, 16, generator=g)
+        k = torch.randn(n_tokens, 2, 16, generator=g)
+        k[needle[0]:needle[1]] += 3 * q.mean(0).view(2, 3, 16).mean(1)
+        queries[layer], keys[layer] = q, k
+    return queries, keys
+
+
+# ---- offline estimate -----------------------------------------------------------------------
+
+
+def test_a_single_drop_replays_the_plugins_selection_rule():
+    queries, keys = _recorded()
+    n, nq = 700, 32
+    replay = cal.ScheduleReplay(queries, keys, 0.25, sink_tokens=16, last_queries=nq)
+    rule = SelectionRule(block_size=16, sink_tokens=16, last_window=nq)
+    cands = DropCandidates(queries=queries[2], query_pos=torch.arange(n - nq, n),
+                           query_counts=[nq], key_slots=torch.arange(n), key_pos=torch.arange(n),
+                           key_counts=[n], prefix_counts=[0], top_p=[0.9], keep_ratio=[0.0])
+    keep_idx, _ = select_survivors_reference(cands, keys[2], 0.25, rule)
+    assert replay.survivors((2,), 0.9, 16).tolist() == keep_idx.tolist()
+    assert set(range(300, 310)) <= set(keep_idx.tolist())  # the aligned needle scores high
+
+
+def test_a_later_drop_scores_only_the_survivors_of_the_earlier_one():
+    queries, keys = _recorded()
+    n, nq = 700, 32
+    replay = cal.ScheduleReplay(queries, keys, 0.25, sink_tokens=16, last_queries=nq)
+    first = replay.survivors((2,), 0.6, 16)
+    both = replay.survivors((2, 5), 0.6, 16)
+    # The second drop: softmax over the first drop's survivors only, blocks over them in order.
+    scores = score_segment_reference(queries[5], torch.arange(n - nq, n), keys[5][first], first, 0.25)
+    expected = first[select_segment_reference(scores, first, 16, 0.6, 0.0, 16, nq)]
+    assert both.tolist() == expected.tolist()
+    assert set(both.tolist()) < set(first.tolist())
+    assert replay.kept_per_stage(cal.Schedule((2, 5), 0.6, 16)) == [n, first.numel(), both.numel()]
+    # top-p 1.0 keeps everything, at every drop.
+    assert replay.kept_per_stage(cal.Schedule((2, 5), 1.0, 16)) == [n, n, n]
+
+
+def test_needle_survival_needs_every_token_of_one_occurrence():
+    spans = [[(10, 13), (40, 42)], [(50, 51)]]
+    assert cal.needle_survives(torch.tensor([10, 11, 12, 50]), spans)
+    assert cal.needle_survives(torch.tensor([40, 41, 50]), spans)
+    assert not cal.needle_survives(torch.tensor([10, 12, 41, 50]), spans)  # both cut
+    assert not cal.needle_survives(torch.tensor([10, 11, 12]), spans)       # 2nd answer lost
+
+
+def test_needle_spans_cover_the_answer_in_the_context_only(smollm2_path):
+    from transformers import AutoTokenizer
+
+    from uniprefill_sglang.tools.tasks import make_case
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    for task in cal.NEEDLE_TASKS:
+        case = make_case(tok, task, 600, 0.5, 3)
+        enc = tok(case.prompt, return_offsets_mapping=True)
+        spans = cal.needle_token_spans(case, enc["offset_mapping"])
+        assert len(spans) == len(case.answers) and all(spans)
+        question_at = case.prompt.rfind(case.question)
+        for answer, occurrences in zip(case.answers, spans):
+            for a, b in occurrences:
+                assert answer.lower() in tok.decode(case.input_ids[a:b]).lower()
+                assert enc["offset_mapping"][b - 1][1] <= question_at
+
+
+def test_flop_model():
+    n = 8192
+    assert cal.prefill_flops([n], (), SMOLLM2) == cal.prefill_flops([n, n, n], (4, 9), SMOLLM2)
+    assert cal.flop_ideal_speedup([[n, n]], (5,), SMOLLM2) == pytest.approx(1.0)
+    half = cal.flop_ideal_speedup([[n, n // 2]], (5,), SMOLLM2)
+    # Layers 0-5's attention and 0-4's MLP see every token, the rest half of them, whose
+    # attention costs a quarter: at 8K, where attention dominates this small model, above 2x.
+    assert 2.0 < half < 4.0
+    assert 1.0 < cal.flop_ideal_speedup([[n, n // 2]], (20,), SMOLLM2) < half  # later saves less
+    assert cal.flop_ideal_speedup([[1024, 512]], (5,), SMOLLM2) < half  # shorter saves less
+
+
+def test_candidate_layer_sets_stay_inside_the_model():
+    sets = cal.candidate_layer_sets(30, max_drops=3)
+    assert (2,) in sets and len(set(sets)) == len(sets)
+    for layers in sets:
+        assert list(layers) == sorted(set(layers)) and 0 < layers[0] and layers[-1] < 29
+        assert 1 <= len(layers) <= 3
+
+
+# ---- profiles ---------------------------------------------------------------------------------
+
+
+def _write_profile(path: Path, layers=(4, 12), top_p=0.995, block=32, arch="LlamaForCausalLM",
+                   depth=30, hidden=576) -> str:
+    path.write_text(json.dumps({
+        "format": cal.PROFILE_FORMAT,
+        "model": {"name": "m", "architecture": arch, "num_layers": depth, "hidden_size": hidden},
+        "schedule": {"drop_layers": list(layers), "top_p": top_p, "block_size": block}}))
+    return str(path)
+
+
+def test_a_profile_sets_what_no_flag_sets(tmp_path):
+    profile = load_profile(_write_profile(tmp_path / "p.json"))
+    cfg = build_config(**FLAGS, profile=profile)
+    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((4, 12), 0.995, 32)
+    assert cfg.profile == profile.path
+    # Explicit flags win, one by one.
+    cfg = build_config(**{**FLAGS, "drop_layers": "6", "top_p": 0.9, "block_size": 64},
+                       profile=profile)
+    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((6,), 0.9, 64)
+    cfg = build_config(**{**FLAGS, "keep_ratio": "0.5"}, profile=profile)  # replaces top-p
+    assert cfg.keep_ratio == (0.5,) and cfg.drop_layers == (4, 12)
+    cfg = build_config(**{**FLAGS, "drop_layers": "none"}, profile=profile)
+    assert cfg.drop_layers == ()
+    # Without a profile: the defaults.
+    cfg = build_config(**FLAGS)
+    assert cfg.block_size == DEFAULT_BLOCK_SIZE and cfg.drop_layers is None and cfg.profile is None
+
+
+def test_shipped_profiles_are_found_by_architecture_depth_and_hidden_size(tmp_path):
+    _write_profile(tmp_path / "a.json", depth=30, hidden=576)
+    _write_profile(tmp_path / "b.json", layers=(3,), depth=24, hidden=576)
+    assert find_shipped_profile(["LlamaForCausalLM"], 30, 576, tmp_path).drop_layers == (4, 12)
+    assert find_shipped_profile(["LlamaForCausalLM"], 24, 576, tmp_path).drop_layers == (3,)
+    assert find_shipped_profile(["LlamaForCausalLM"], 30, 960, tmp_path) is None
+    assert find_shipped_profile(["Qwen2ForCausalLM"], 30, 576, tmp_path) is None
+
+
+def test_the_shipped_profiles_load():
+    paths = sorted(SHIPPED_PROFILE_DIR.glob("*.json"))
+    assert paths, "no profile ships with the package"
+    for path in paths:
+        p = load_profile(str(path))
+        assert p.architecture and p.num_layers and p.hidden_size
+        assert all(0 < l < p.num_layers for l in p.drop_layers) and 0 < p.top_p <= 1
+    smollm2 = find_shipped_profile(["LlamaForCausalLM"], 30, 576)
+    assert smollm2 is not None and smollm2.drop_layers != default_drop_layers(30)
+
+
+def test_a_bad_profile_names_the_flag(tmp_path):
+    (tmp_path / "bad.json").write_text('{"schedule": {}}')
+    with pytest.raises(UniPrefillConfigError, match="--uniprefill-profile"):
+        load_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(UniPrefillConfigError, match="--uniprefill-profile"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+def _server_args(argv):
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt import server_args as sa
+
+    return sa.prepare_server_args(argv)
+
+
+def test_server_args_pick_the_profile(smollm2_path, tmp_path):
+    base = ["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill"]
+    shipped = find_shipped_profile(["LlamaForCausalLM"], 30, 576)
+    args = _server_args(base)
+    assert args.uniprefill_profile == shipped.path
+    assert args.uniprefill_config().drop_layers == shipped.drop_layers
+    mine = _write_profile(tmp_path / "p.json", layers=(5,), top_p=0.999)
+    cfg = _server_args([*base, "--uniprefill-profile", mine, "--uniprefill-top-p", "0.9"]) \
+        .uniprefill_config()
+    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((5,), 0.9, 32)
+    cfg = _server_args([*base, "--uniprefill-profile", "none"]).uniprefill_config()
+    assert cfg.drop_layers is None and cfg.top_p == 0.99 and cfg.block_size == DEFAULT_BLOCK_SIZE
+
+
+# ---- end to end -------------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path, engine_factory):
+    out = tmp_path / "profile.json"
+    profile = cal.main([
+        "--model", smollm2_path, "--lengths", "1024", "--max-cases", "2",
+        "--layer-sets", "3;3,9", "--top-p", "0.99,0.999", "--block-sizes", "32",
+        "--confirm", "1", "--target-agreement", "0.5", "--out", str(out), "--no-progress"])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(profile))
+    assert data["model"] == {"name": Path(smollm2_path).name, "architecture": "LlamaForCausalLM",
+                             "num_layers": 30, "hidden_size": 576}
+    assert data["schedule"]["drop_layers"] in ([3], [3, 9]) and data["schedule"]["block_size"] == 32
+    assert not set(data["cases"]["calibration"]["names"]) & set(data["cases"]["heldout"]["names"])
+    for split in ("calibration", "heldout"):
+        assert data["agreement"][split]["cases"] == 2
+    assert data["command"].startswith("python -m uniprefill_sglang.calibrate")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    engine = engine_factory(enable_uniprefill=True, uniprefill_profile=str(out))
+    state = engine.get_server_info()["internal_states"][0]["uniprefill"]
+    assert state["drop_layers"] == data["schedule"]["drop_layers"]
+    assert state["drop_layers"] != list(default_drop_layers(30))
