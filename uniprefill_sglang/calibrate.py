@@ -47,6 +47,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+from uniprefill_sglang import environ
+
 NEEDLE_TASKS = ("niah_number", "niah_uuid", "niah_word", "niah_multikey", "niah_multivalue")
 TOP_P_GRID = (0.98, 0.99, 0.995, 0.998, 0.999)
 BLOCK_SIZES = (16, 32, 64)
@@ -379,7 +381,8 @@ def _stage_fractions(kept_per_case) -> list[float]:
 def _use_cpu_engine() -> bool:
     import torch
 
-    return os.environ.get("UNIPREFILL_CPU_ENGINE", "0" if torch.cuda.is_available() else "1") == "1"
+    flag = environ.CPU_ENGINE.get()
+    return flag == "1" if flag is not None else not torch.cuda.is_available()
 
 
 def start_engine(model_path: str, drop_layers, block_size: int, extra_kwargs: dict):
