@@ -25,12 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,14 +33,18 @@ import pytest
 import requests
 
 from uniprefill_sglang.metrics import KEPT_FRACTION_BUCKETS
-from uniprefill_sglang.tools.cpu_engine import DEFAULT_ENGINE_KWARGS, cpu_engine_env
+from uniprefill_sglang.tools.server_process import (
+    ServerProcess,
+    free_port,
+    idle_pool_problems,
+    run_cpu_env,
+    server_command,
+)
 
 pytestmark = pytest.mark.engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
 START_TIMEOUT_S = 420
-REQUEST_TIMEOUT_S = 180
 META = "uniprefill"
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
 HALF = {"uniprefill_keep_ratio": 0.5}
@@ -74,122 +73,13 @@ def fresh_prompt() -> str:
     return _story(next(_seeds))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def server_command(model_path: str, port: int, *extra: str) -> list[str]:
-    """`python -m sglang.launch_server` with the CPU engine defaults the Engine helper uses."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-           "--host", HOST, "--port", str(port), "--enable-uniprefill"]
-    for key, value in DEFAULT_ENGINE_KWARGS.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            cmd.append(flag)
-        elif value is not False and value is not None:
-            cmd += [flag, str(value)]
-    return cmd + list(extra)
-
-
-class Server:
-    def __init__(self, cmd: list[str], log_path: Path, env: dict):
-        self.url = f"http://{HOST}:{cmd[cmd.index('--port') + 1]}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        # Own process group: the launcher, its scheduler and detokenizer go down together.
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        pgid = self.proc.pid
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                self.proc.poll()
-                try:
-                    os.killpg(pgid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        self.proc.wait(timeout=30)
-        self._log.close()
-
-    # --- client helpers ---------------------------------------------------------------------
-    def post(self, path: str, body, **kw) -> requests.Response:
-        data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-        return requests.post(self.url + path, data=data, timeout=REQUEST_TIMEOUT_S,
-                             headers={"Content-Type": "application/json"}, **kw)
-
-    def stream(self, path: str, body) -> tuple[int, list]:
-        """Status and the decoded SSE events of a streamed request (up to `[DONE]`)."""
-        with self.post(path, body, stream=True) as r:
-            if r.status_code != 200:
-                return r.status_code, [r.json()]
-            events = []
-            for line in r.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
-                    break
-                events.append(json.loads(payload))
-                assert len(events) < 10_000
-            return r.status_code, events
-
-    def pool_state(self, idle_timeout_s: float = 30.0) -> dict:
-        deadline = time.monotonic() + idle_timeout_s
-        while True:
-            info = requests.get(self.url + "/get_server_info", timeout=30).json()
-            state = info["internal_states"][0][META]
-            if state["idle"] or time.monotonic() > deadline:
-                return state
-            time.sleep(0.2)
-
-    def flush_cache(self) -> None:
-        deadline = time.monotonic() + 60
-        while requests.post(self.url + "/flush_cache", timeout=30).status_code != 200:
-            assert time.monotonic() < deadline, "radix cache flush kept being refused"
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    env = {**os.environ, **cpu_engine_env(REPO_ROOT)}
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = Server(server_command(smollm2_path, _free_port(), "--enable-metrics"), log, env)
-    try:
-        t0 = time.perf_counter()
+    cmd = server_command(smollm2_path, free_port(), "--enable-metrics", cpu=True)
+    with ServerProcess(cmd, log, run_cpu_env(str(REPO_ROOT))) as srv:
         srv.wait_healthy(START_TIMEOUT_S)
-        srv.startup_seconds = time.perf_counter() - t0
         yield srv
-    finally:
-        srv.stop()
 
 
 def _prefill_entry(meta_info: dict) -> dict:
@@ -446,10 +336,5 @@ def test_after_everything_the_pools_are_idle_and_nothing_is_parked(server):
     # Still serving after the refused requests.
     _assert_dropped(_generate(server, fresh_prompt(), HALF)["meta_info"])
     state = server.pool_state()
-    assert state["idle"], state
-    assert state["protected_kv_tokens"] == 0, state
-    assert state["available_kv_tokens"] + state["evictable_kv_tokens"] == (
-        state["max_total_num_tokens"]), state
-    assert state["free_req_slots"] == state["req_slots"], state
-    assert state["parked_requests"] == 0, state
-    assert server.proc.poll() is None
+    assert idle_pool_problems(state) == [], state
+    assert server.alive()
