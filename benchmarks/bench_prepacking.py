@@ -102,6 +102,15 @@ METRICS = ("prefill", "ttft")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+def batch_timing(passes: list, num_batches: int, batch_size: int) -> dict:
+    """Seconds per batch over repeated passes (`passes[r][i]`: pass r, batch i)."""
+    means = [statistics.mean(p) for p in passes]
+    return {"num_batches": num_batches, "batch_size": batch_size,
+            "mean_s_per_batch": statistics.mean([t for p in passes for t in p]),
+            "median_of_pass_means_s": statistics.median(means),
+            "pass_means_s": means, "batch_s_first_pass": passes[0]}
+
+
 # ------------------------------------------------------------------------------- workload
 
 
@@ -302,12 +311,8 @@ def time_hf(model, method, metric, pool, b, args, dtype, weights_bytes, log, kee
                     logits = (logits or []) + [lg.float().cpu()]
             del lg
         passes.append(per_batch)
-    means = [statistics.mean(p) for p in passes]
     entry = {
-        "num_batches": len(batches), "batch_size": b,
-        "mean_s_per_batch": statistics.mean([s for p in passes for s in p]),
-        "median_of_pass_means_s": statistics.median(means),
-        "pass_means_s": means, "batch_s_first_pass": passes[0],
+        **batch_timing(passes, len(batches), b),
         "peak_mib": max(peaks) if peaks[0] is not None else None,
         "above_weights_mib": max(above),
     }
@@ -397,12 +402,8 @@ def time_sglang(engine, method, pool, b, args, keep_ratio, log):
                 kept.append(kept_summary(outs, [len(p) for p in bt],
                                          args.uniprefill_min_prompt_tokens))
         passes.append(per_batch)
-    means = [statistics.mean(p) for p in passes]
     entry = {
-        "num_batches": len(batches), "batch_size": b,
-        "mean_s_per_batch": statistics.mean([s for p in passes for s in p]),
-        "median_of_pass_means_s": statistics.median(means),
-        "pass_means_s": means, "batch_s_first_pass": passes[0],
+        **batch_timing(passes, len(batches), b),
         "num_dropped": sum(k["num_dropped"] for k in kept),
         "num_at_least_min_tokens": sum(k["num_at_least_min"] for k in kept),
         "kept_fraction_all_tokens": (sum(k["kept_fraction_all"] * len(bt)
