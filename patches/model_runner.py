@@ -83,7 +83,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
         logger.exception("UniPrefill: a %s forward failed in UniPrefill's code; running it again "
                          "without it", "prefill" if ctx.is_extend else "decode")
         runtime.abandon_forward(ctx)
-        if ctx.is_extend:
+        if ctx.is_extend and ctx.plan is not None:
             forward_batch.uniprefill_plan = ctx.plan.all_dense(
                 f"UniPrefill error, ran dense: {type(error).__name__}: {error}")
         else:
