@@ -145,15 +145,19 @@ def test_a_fault_in_uniprefill_never_fails_a_request(engine_factory, baseline, c
     outs = _generate(engine, prompts, [KEEP_HALF] * len(prompts))
     after = engine.generate(prompts[0], {**GREEDY, "custom_params": KEEP_HALF})  # still serving
     want_dense = _texts(baseline["dense"][:4])
+    # The next request is answered as usual (alone, it may be chunked elsewhere than in the
+    # batch, so its tokens are not compared with the batch's).
+    assert after["meta_info"]["finish_reason"]["type"] in ("length", "stop"), after["meta_info"]
+    assert len(after["output_ids"]) > 0
     if fault == "drop":
         assert _texts(outs) == want_dense
-        for out in outs:
+        for out in outs + [after]:
             assert any("UniPrefill error, ran dense: UniPrefillError" in (r or "")
                        for r in _reasons(out)), out["meta_info"]["uniprefill"]
-        assert after["text"] == want_dense[0]
     else:
         want = _texts(baseline["keep_half"])
         assert want != want_dense, "keep 0.5 should change some answer of the healthy engine"
         assert _texts(outs) == want
-        assert after["text"] == want[0]
+        kept = after["meta_info"]["uniprefill"][-1]["kept_tokens"]
+        assert kept[-1] < kept[0], kept
     _assert_idle_without_leak(engine)
