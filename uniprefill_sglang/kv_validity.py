@@ -84,8 +84,8 @@ class SlotStages:
             positions = torch.nonzero(valid, as_tuple=True)[0]
         else:
             n = valid.shape[0]
-            bounds = torch.tensor([0, n], dtype=torch.int64, device=valid.device)
-            positions = compact(torch.arange(n, device=valid.device), bounds, valid)[2][:count]
+            positions = compact(torch.arange(n, device=valid.device), _on([0, n], valid.device),
+                                valid)[2][:count]
         return req_slots[positions], positions
 
 
