@@ -288,16 +288,18 @@ def run_one_by_one(
 # ---------------------------------------------------------------------------- with the KV cache
 
 
+def _base_forward(model, batch, use_cache: bool):
+    """The model body over a padded or packed batch: (its output, the LM head)."""
+    base, head = _base_and_head(model)
+    out = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+               position_ids=batch.position_ids, use_cache=use_cache)
+    return out, head
+
+
 @torch.inference_mode()
 def prefill_padded(model, batch: PaddedBatch, use_cache: bool = True):
     """Forward over the padded batch: ``(last-token logits (n, vocab), KV cache or None)``."""
-    base, head = _base_and_head(model)
-    out = base(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=use_cache,
-    )
+    out, head = _base_forward(model, batch, use_cache)
     hidden = out.last_hidden_state
     rows = torch.arange(len(batch.lengths), device=hidden.device)
     cols = torch.tensor(batch.last_columns, device=hidden.device)
@@ -311,13 +313,7 @@ def prefill_packed(model, batch: PackedBatch, use_cache: bool = True, logits: bo
     The cache is the packed one: per layer, keys and values of shape ``(rows, kv_heads, W, d)``.
     """
     _check_attn_impl(model)
-    base, head = _base_and_head(model)
-    out = base(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=use_cache,
-    )
+    out, head = _base_forward(model, batch, use_cache)
     cache = out.past_key_values if use_cache else None
     if not logits:
         return None, cache
