@@ -21,7 +21,7 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
   batches keep upstream's single wrapper.
 * Decode CUDA graphs: every captured batch size gets one wrapper per stage, with per-stage
   static indptr / indices buffers (their int workspaces shared across batch sizes, since one
-  graph replays at a time). On replay the buffers are refilled and re-planned outside the graph
+  graph replays at a time, unless the KV split is off: see `create_decode_wrappers`). On replay the buffers are refilled and re-planned outside the graph
   (`fast_decode_plan`).
 
 Decode never reads the device to plan: the index lists are compacted on the GPU, and their
@@ -314,12 +314,16 @@ def create_decode_wrappers(result, backend, *args, **kwargs):
             paged_kv_last_page_len_buffer=backend.kv_last_page_len[:num_tokens],
         )
         # One graph replays at a time and is re-planned right before: the int workspaces of a
-        # stage can be shared by all captured batch sizes (saves 16 MB per wrapper).
-        shared = st.graph_int_ws.get(s)
-        if shared is None:
-            st.graph_int_ws[s] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
-        else:
-            w._int_workspace_buffer, w._pin_memory_int_workspace_buffer = shared
+        # stage can be shared by all captured batch sizes (saves 16 MB per wrapper). Not without
+        # KV split (deterministic inference): FlashInfer's plan then has no block-valid mask, the
+        # graph's padded CTAs read the workspace's request indices past this batch size, and a
+        # larger batch size's plan left valid-looking ones there (illegal memory access).
+        if not getattr(backend, "disable_cuda_graph_kv_split", False):
+            shared = st.graph_int_ws.get(s)
+            if shared is None:
+                st.graph_int_ws[s] = (w._int_workspace_buffer, w._pin_memory_int_workspace_buffer)
+            else:
+                w._int_workspace_buffer, w._pin_memory_int_workspace_buffer = shared
         wrappers.append(w)
     return wrappers
 
