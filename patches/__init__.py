@@ -10,6 +10,7 @@ from uniprefill_sglang.patches import (
     attention_backends,
     cuda_graphs,
     forward_batch,
+    kv_pool_size,
     logits,
     metrics,
     model_runner,
@@ -20,7 +21,7 @@ from uniprefill_sglang.patches import (
 )
 
 _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, attention_backends,
-            scheduler, radix_cache, cuda_graphs, metrics)
+            scheduler, radix_cache, cuda_graphs, metrics, kv_pool_size)
 
 
 def register_all() -> None:

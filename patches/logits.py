@@ -35,6 +35,8 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
             "reason": ctx.reason(b),
             "kept_tokens": [stage_lens[b] for stage_lens in ctx.kept],
         }
+        if b in ctx.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
+            entry["prefix"] = ctx.prefix_outcomes[b].as_dict()
         if ctx.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
             entry["kept_digest"] = [stage[b] for stage in ctx.kept_digest]
         info.append(entry)

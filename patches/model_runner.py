@@ -42,7 +42,9 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     stages = LayerStages(drop_layers, num_layers)
     runtime = UniPrefillRuntime(config, stages, model_runner.req_to_token_pool,
                                 model_runner.token_to_kv_pool, model_runner.device,
-                                _tp_agreement(model_runner))
+                                _tp_agreement(model_runner),
+                                checkpoint_shape=_checkpoint_shape(model_runner, config),
+                                allocator=model_runner.token_to_kv_pool_allocator)
     if drop_layers and not model_integration.install(model_runner.model, runtime):
         log_fallback_once(f"model {type(model_runner.model).__name__} has no decoder-layer list")
         runtime.stages = LayerStages((), num_layers)
@@ -51,6 +53,20 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
     set_runtime(runtime)
     return result
+
+
+def _checkpoint_shape(model_runner, config):
+    """(hidden_size, query_size, dtype) of the checkpoint when prefix re-selection can use it:
+    the radix cache is on and the prefix policy verifies or re-selects (prefix_reuse.py)."""
+    from uniprefill_sglang.model_integration import query_size
+    from uniprefill_sglang.prefix_reuse import needs_checkpoint
+
+    if not needs_checkpoint(model_runner.server_args, config):
+        return None
+    queries = query_size(model_runner.model)
+    if queries is None:
+        return None
+    return model_runner.model_config.hidden_size, queries, model_runner.dtype
 
 
 def _tp_agreement(model_runner):

@@ -13,6 +13,11 @@ token content, while under UniPrefill a slot's KV may exist in the early layers 
     request's selection. The host mirror of the request's KV gaps is then stale: it is re-read
     from the device before the request's next decode (one sync, only when slots were swapped).
 * `insert` (AFTER): records how much of the key the tree already held, for the hook above.
+* `cache_finished_req` (AFTER): a request that re-selected over its cached prefix held private
+  KV slots for the prefix's positions (uniprefill_sglang/prefix_reuse.py). SGLang inserts the
+  request's slots into the tree, where the prefix's positions are already held (the tree keeps
+  its own), and frees only the slots past the protected prefix; the private ones are freed here
+  once the request leaves (finished, aborted or retracted).
 """
 
 import torch
@@ -46,7 +51,18 @@ def _cache_unfinished_req(original, cache, req, chunked=False, **kwargs):
     return result
 
 
+def _release_private_prefix(result, cache, req, *args, **kwargs):
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    if runtime is not None and runtime.prefix_reuse is not None:
+        runtime.prefix_reuse.release(req.rid)
+    return result
+
+
 def register() -> None:
     HookRegistry.register(f"{_TARGET}.insert", _record_insert, HookType.AFTER)
     HookRegistry.register(f"{_TARGET}.cache_unfinished_req", _cache_unfinished_req,
                           HookType.AROUND)
+    HookRegistry.register(f"{_TARGET}.cache_finished_req", _release_private_prefix,
+                          HookType.AFTER)

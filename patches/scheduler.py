@@ -4,6 +4,11 @@
   ["uniprefill"]` reports the KV pool's accounting (free, evictable and protected slots, the
   request pool), so a test or an operator can check that dropping leaks no KV slot.
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
+* `SchedulerInvariantChecker._get_total_uncached_sizes` (AFTER): SGLang's busy-time KV check
+  (`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`) counts each running request's slots past its
+  cached prefix; a request that re-selected over its prefix also holds private slots for the
+  prefix's positions (uniprefill_sglang/prefix_reuse.py): count them, or the check reports a
+  leak that is not one.
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -30,6 +35,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "mixed_forwards": runtime.mixed_forwards,
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
+        "private_prefix_slots": runtime.prefix_reuse.private.held if runtime.prefix_reuse else 0,
     }
     return result
 
@@ -49,8 +55,21 @@ def _forget_aborted_chunk(original, scheduler, *args, **kwargs):
     return result
 
 
+def _count_private_prefixes(result, checker, *args, **kwargs):
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    if runtime is None or runtime.prefix_reuse is None or not isinstance(result, tuple):
+        return result
+    full, swa = result
+    return full + runtime.prefix_reuse.private.held, swa
+
+
 def register() -> None:
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
                           _add_pool_state, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
                           _forget_aborted_chunk, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler_components.invariant_checker."
+                          "SchedulerInvariantChecker._get_total_uncached_sizes",
+                          _count_private_prefixes, HookType.AFTER)

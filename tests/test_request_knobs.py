@@ -52,6 +52,9 @@ BAD = [
     ({"uniprefill-top-p": 0.5}, "uniprefill-top-p", "unknown UniPrefill knob"),
     ({"uniprefill_top_p": 0.5, "uniprefill_keep_ratio": 0.5}, "uniprefill_keep_ratio",
      "mutually exclusive"),
+    ({"uniprefill_prefix_policy": "reuse"}, "uniprefill_prefix_policy", "got 'reuse'"),
+    ({"uniprefill_prefix_policy": None}, "uniprefill_prefix_policy", "null"),
+    ({"uniprefill_prefix_policy": 1}, "uniprefill_prefix_policy", "must be one of verify"),
 ]
 
 
@@ -84,4 +87,11 @@ def test_good_knobs():
     assert parse({"uniprefill_keep_ratio": "0.2, 0.4"}, TOP_P_SERVER).keep_ratio == (0.2, 0.4)
     # Keys of other plugins pass untouched next to ours.
     assert parse({"uniprefill_top_p": 0.8, "my_plugin_knob": "x"}, TOP_P_SERVER).top_p == 0.8
-    assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio")
+    assert parse({}, TOP_P_SERVER).prefix_policy == "verify"
+    assert parse({"uniprefill_prefix_policy": "reselect"}, TOP_P_SERVER).prefix_policy == "reselect"
+    server = build_config(**{**FLAGS, "prefix_policy": "reuse-sparse"})
+    assert parse({"uniprefill_top_p": 0.9}, server).prefix_policy == "reuse-sparse"
+    with pytest.raises(ValueError, match="--uniprefill-prefix-policy"):
+        build_config(**{**FLAGS, "prefix_policy": "sometimes"})
+    assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio",
+                     "uniprefill_prefix_policy")

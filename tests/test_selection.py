@@ -12,6 +12,8 @@ import torch
 from uniprefill_sglang.selection import (
     DropCandidates,
     SelectionRule,
+    prefix_coverage,
+    prefix_coverage_reference,
     select_survivors,
     select_survivors_reference,
 )
@@ -77,3 +79,57 @@ def test_reference_keeps_the_attended_block():
     assert keep_idx.tolist() == list(range(4)) + list(range(96, 128))
     got_idx, got_counts = select_survivors(cands, key_buffer, dim ** -0.5, rule)
     assert got_idx.tolist() == keep_idx.tolist() and got_counts.tolist() == counts.tolist()
+
+
+# ---- prefix reuse: does a cached selection cover a new question? ---------------------------
+def _as_coverage_batch(cands: DropCandidates, seed: int):
+    """The same batch with every key a candidate (a cached prefix is scored with the rest) and a
+    random half of each request's prefix missing from the cache."""
+    gen = torch.Generator().manual_seed(seed + 1000)
+    cached = []
+    for n, prefix in zip(cands.key_counts, cands.prefix_counts):
+        held = torch.rand(prefix, generator=gen) < 0.5
+        cached += [held, torch.ones(n - prefix, dtype=torch.bool)]
+    full = DropCandidates(cands.queries, cands.query_pos, cands.query_counts, cands.key_slots,
+                          cands.key_pos, cands.key_counts, [0] * cands.num_segments, cands.top_p,
+                          cands.keep_ratio)
+    return full, torch.cat(cached)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefix_coverage_matches_the_reference(seed, monkeypatch):
+    monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
+    cands, key_buffer, scale, rule = random_batch(seed)
+    full, cached = _as_coverage_batch(cands, seed)
+    got = prefix_coverage(full, key_buffer, scale, rule, cached)
+    want = prefix_coverage_reference(full, key_buffer, scale, rule, cached)
+    for g, w in ((got.missing, want.missing), (got.dropped, want.dropped)):
+        assert not torch.isnan(g).any()
+        assert torch.allclose(g.double(), w, rtol=1e-4, atol=1e-6), (g, w)
+        assert ((0 <= w) & (w <= 1 + 1e-9)).all()
+    assert got.covered.tolist() == want.covered.tolist()
+
+
+def test_a_cache_that_holds_everything_covers_any_question():
+    cands, key_buffer, scale, rule = random_batch(3)
+    full, cached = _as_coverage_batch(cands, 3)
+    cov = prefix_coverage(full, key_buffer, scale, rule, torch.ones_like(cached))
+    assert cov.missing.tolist() == [0.0] * full.num_segments
+    assert cov.covered.all()
+
+
+def test_a_cache_that_lost_the_attended_block_does_not_cover():
+    """One query attends to one block of a cached prefix; the cache dropped it."""
+    dim, n = 8, 256
+    key_buffer = torch.zeros(n, 1, dim)
+    key_buffer[100:108, 0, 0] = 50.0
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
+                           [0], [0.9], [0.0])
+    rule = SelectionRule(block_size=32, sink_tokens=4, last_window=0)
+    cached = torch.ones(n, dtype=torch.bool)
+    cached[96:128] = False
+    for fn in (prefix_coverage, prefix_coverage_reference):
+        cov = fn(cands, key_buffer, dim ** -0.5, rule, cached)
+        assert float(cov.missing[0]) > 0.9 and not bool(cov.covered[0])

@@ -39,6 +39,9 @@ DEFAULT_LAST_QUERIES = 128
 # Hidden state parked between the chunks of a chunked prefill (see runtime.py): 2 vectors of
 # hidden_size per token (Llama-3.1-8B, bf16: 16 KiB/token, 2 GiB at 128K tokens).
 DEFAULT_MAX_PARKED_TOKENS = 131072
+# What a request that hits a cached prefix does with the prefix's selection (prefix_reuse.py).
+PREFIX_POLICIES = ("verify", "reselect", "reuse-sparse", "dense-prefix")
+DEFAULT_PREFIX_POLICY = "verify"
 
 
 # Profiles written by `python -m uniprefill_sglang.calibrate` for the models we calibrated.
@@ -152,6 +155,7 @@ class UniPrefillConfig:
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS
     # The profile that supplied the knobs no flag set (None: none).
     profile: Optional[str] = None
+    prefix_policy: str = DEFAULT_PREFIX_POLICY
 
     @property
     def min_tokens_to_drop(self) -> int:
@@ -175,6 +179,7 @@ def build_config(
     min_prompt_tokens: int,
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
     profile: Optional[Profile] = None,
+    prefix_policy: str = DEFAULT_PREFIX_POLICY,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -217,6 +222,10 @@ def build_config(
         raise UniPrefillConfigError(
             f"--uniprefill-max-parked-tokens must be >= 0 (0 disables parking), got {max_parked_tokens}"
         )
+    if prefix_policy not in PREFIX_POLICIES:
+        raise UniPrefillConfigError(
+            f"--uniprefill-prefix-policy must be one of {', '.join(PREFIX_POLICIES)}, "
+            f"got {prefix_policy!r}")
     layers = parse_drop_layers(drop_layers)
     if layers is not None:
         if any(l < 0 for l in layers):
@@ -237,6 +246,7 @@ def build_config(
         min_prompt_tokens=int(min_prompt_tokens),
         max_parked_tokens=int(max_parked_tokens),
         profile=None if profile is None else profile.path,
+        prefix_policy=prefix_policy,
     )
 
 

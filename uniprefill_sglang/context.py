@@ -64,6 +64,10 @@ class DropContext:
     finished_parking: List[str] = dataclasses.field(default_factory=list)  # rids rejoined now
     # Per request: why it ran dense or dropped less than its decision said (set by the drop).
     notes: Dict[int, str] = dataclasses.field(default_factory=dict)
+    # Per request with a cached prefix: what it did with it (prefix_reuse.PrefixOutcome), and
+    # the requests whose prefix moved to private slots: b -> (req-pool row, shared slots).
+    prefix_outcomes: Dict[int, object] = dataclasses.field(default_factory=dict)
+    moved_prefixes: Dict[int, tuple] = dataclasses.field(default_factory=dict)
     # Attention adapters' per-forward views (planned once, run by every layer of a stage).
     views: Dict[str, dict] = dataclasses.field(default_factory=dict)
 

@@ -102,6 +102,22 @@ class ParkingLot:
         return True
 
 
+def merge_parked(first: ParkedRows, then: Optional[ParkedRows]) -> ParkedRows:
+    """Rows that rejoin together: `first` (e.g. a re-selected cached prefix), then `then` (the
+    parked chunks right after it), with `then`'s last queries."""
+    if then is None:
+        return first
+    if first.start_pos + first.count != then.start_pos:
+        raise ValueError(f"parked rows [{first.start_pos}, +{first.count}) and "
+                         f"[{then.start_pos}, +{then.count}) are not contiguous")
+    merged = ParkedRows(first.start_pos)
+    merged.append(*first.states())
+    merged.append(*then.states())
+    last = then if then.last_q is not None else first
+    merged.last_q, merged.last_q_pos = last.last_q, last.last_q_pos
+    return merged
+
+
 @dataclasses.dataclass
 class JoiningRows:
     """Parked rows rejoining their requests at the final chunk's first drop, numbered after the

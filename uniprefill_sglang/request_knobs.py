@@ -9,6 +9,8 @@ body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_p
 * ``uniprefill_top_p``: a number in (0, 1]: keep blocks holding this much attention mass.
 * ``uniprefill_keep_ratio``: a number in (0, 1], a non-empty list of them (one per drop layer, the
   last repeats) or a comma-separated string of them (as ``--uniprefill-keep-ratio``).
+* ``uniprefill_prefix_policy``: one of ``verify``, ``reselect``, ``reuse-sparse``,
+  ``dense-prefix`` (as ``--uniprefill-prefix-policy``; prefix_reuse.py).
 
 Rules, all enforced with a ``ValueError`` that names the knob:
 
@@ -30,12 +32,13 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from uniprefill_sglang.config import UniPrefillConfig
+from uniprefill_sglang.config import DEFAULT_PREFIX_POLICY, PREFIX_POLICIES, UniPrefillConfig
 
 ENABLE = "uniprefill"
 TOP_P = "uniprefill_top_p"
 KEEP_RATIO = "uniprefill_keep_ratio"
-KNOBS = (ENABLE, TOP_P, KEEP_RATIO)
+PREFIX_POLICY = "uniprefill_prefix_policy"
+KNOBS = (ENABLE, TOP_P, KEEP_RATIO, PREFIX_POLICY)
 
 
 class RequestKnobError(ValueError):
@@ -47,6 +50,7 @@ class RequestKnobs:
     enabled: bool  # False: the request asked to run dense
     top_p: float
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: select by top-p
+    prefix_policy: str = DEFAULT_PREFIX_POLICY
 
 
 def _name(key: str) -> str:
@@ -115,8 +119,9 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
     Raises ``RequestKnobError`` (a ``ValueError``) naming the first bad knob.
     """
     top_p, keep_ratio = config.top_p, tuple(config.keep_ratio or ())
+    policy = config.prefix_policy
     if not isinstance(custom_params, dict):
-        return RequestKnobs(True, top_p, keep_ratio)
+        return RequestKnobs(True, top_p, keep_ratio, policy)
     unknown = sorted(k for k in custom_params if _is_ours(k) and k not in KNOBS)
     if unknown:
         raise RequestKnobError(
@@ -136,4 +141,10 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
         top_p, keep_ratio = _fraction(TOP_P, custom_params[TOP_P]), ()
     elif KEEP_RATIO in custom_params:
         keep_ratio = _keep_ratios(custom_params[KEEP_RATIO])
-    return RequestKnobs(enabled, top_p, keep_ratio)
+    if PREFIX_POLICY in custom_params:
+        policy = custom_params[PREFIX_POLICY]
+        if policy not in PREFIX_POLICIES:
+            raise RequestKnobError(
+                f"{_name(PREFIX_POLICY)} must be one of {', '.join(PREFIX_POLICIES)}, "
+                f"got {_show(policy)}")
+    return RequestKnobs(enabled, top_p, keep_ratio, policy)

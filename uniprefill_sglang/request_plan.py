@@ -13,12 +13,14 @@ import dataclasses
 import logging
 from typing import List, Optional
 
-from uniprefill_sglang.config import UniPrefillConfig
+from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig
 from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 
 logger = logging.getLogger(__name__)
 
 _logged_reasons: set = set()
+# Prefix policies under which a request generating nothing runs dense (prefix_reuse.py).
+CACHES_DENSE = tuple(p for p in PREFIX_POLICIES if p != "reuse-sparse")
 
 # Why requests run dense when the runtime has no drop schedule: "no drop layers" (the user said
 # `--uniprefill-drop-layers none`) unless the model runner found an unsupported architecture.
@@ -51,6 +53,10 @@ class RequestDecision:
     park: bool = False
     rid: Optional[str] = None
     prompt_len: int = 0  # tokens of the whole prompt (all chunks)
+    # Prefix reuse (prefix_reuse.py): the policy, and the leading tokens the radix tree holds
+    # for this request (0 without a radix cache).
+    prefix_policy: str = "reuse-sparse"
+    cached_len: int = 0
 
     def ratio_at(self, drop_index: int) -> float:
         """Keep ratio of the given drop, or 0.0 for top-p selection."""
@@ -89,11 +95,13 @@ def _custom_params(req) -> dict:
 
 
 def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
-           batch_reason: Optional[str]) -> RequestDecision:
+           batch_reason: Optional[str], cached_len: int = 0) -> RequestDecision:
     top_p, keep_ratio = config.top_p, config.keep_ratio
+    policy = config.prefix_policy
 
     def dense(reason: str) -> RequestDecision:
-        return RequestDecision(False, top_p, keep_ratio or (), reason)
+        return RequestDecision(False, top_p, keep_ratio or (), reason, prefix_policy=policy,
+                               cached_len=cached_len)
 
     try:
         knobs = parse_request_knobs(_custom_params(req), config)
@@ -101,7 +109,7 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
         # The tokenizer already answers these with a 400 (patches/sampling_params.py); a
         # request that reached the scheduler another way still runs dense, saying why.
         return dense(f"invalid per-request parameter: {e}")
-    top_p, keep_ratio = knobs.top_p, knobs.keep_ratio
+    top_p, keep_ratio, policy = knobs.top_p, knobs.keep_ratio, knobs.prefix_policy
     if not knobs.enabled:
         return dense("disabled by the request")
     if not has_schedule:
@@ -110,6 +118,9 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
         return dense(batch_reason)
     if getattr(req, "multimodal_inputs", None) is not None:
         return dense("multimodal input")
+    if policy in CACHES_DENSE and _max_new_tokens(req) == 0:
+        # SGLang's frontend caches a fork's shared prefix so; the requests after it ask.
+        return dense("generates nothing: a prefix being cached runs dense")
     fill = getattr(req, "full_untruncated_fill_ids", None)
     rng = getattr(req, "extend_range", None)
     prompt_len = len(fill) if fill is not None else extend_len
@@ -120,13 +131,32 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
             return dense("prompt under the minimum length")
         return RequestDecision(False, top_p, keep_ratio or (),
                                "non-final chunk, parked at the first drop layer",
-                               park=True, rid=req.rid, prompt_len=prompt_len)
+                               park=True, rid=req.rid, prompt_len=prompt_len,
+                               prefix_policy=policy, cached_len=cached_len)
     # A final chunk counts the earlier chunks' tokens too.
     tokens = rng.end if rng is not None and rng.start > 0 else extend_len
     if tokens < config.min_tokens_to_drop:
         return dense("prompt under the minimum length")
     return RequestDecision(True, top_p, keep_ratio or (), None,
-                           rid=getattr(req, "rid", None), prompt_len=prompt_len)
+                           rid=getattr(req, "rid", None), prompt_len=prompt_len,
+                           prefix_policy=policy, cached_len=cached_len)
+
+
+def _max_new_tokens(req) -> Optional[int]:
+    sp = getattr(req, "sampling_params", None)
+    return getattr(sp, "max_new_tokens", None) if sp is not None else None
+
+
+def _is_radix_tree(tree_cache) -> bool:
+    """Only SGLang's RadixCache (patches/radix_cache.py) holds prefixes UniPrefill re-selects."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    return type(tree_cache) is RadixCache and not tree_cache.disable
+
+
+def _cached_len(req, radix: bool) -> int:
+    """Leading tokens the radix tree holds (and locks) for this request."""
+    return int(getattr(req, "cache_protected_len", 0) or 0) if radix else 0
 
 
 def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan:
@@ -138,12 +168,14 @@ def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan
     if getattr(batch, "return_logprob", False):
         # Input logprobs need every position's hidden state, for the whole batch.
         batch_reason = "logprobs requested in the batch"
+    radix = _is_radix_tree(getattr(batch, "tree_cache", None))
     decisions = []
     for i, req in enumerate(reqs):
         if id(req) in decoding or i >= len(extend_lens):
             decisions.append(RequestDecision(False, config.top_p, (), "decode"))
             continue
-        d = decide(req, extend_lens[i], config, has_schedule, batch_reason)
+        d = decide(req, extend_lens[i], config, has_schedule, batch_reason,
+                   _cached_len(req, radix))
         if d.reason is not None and not d.park:
             log_fallback_once(d.reason)
         decisions.append(d)

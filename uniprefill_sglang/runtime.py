@@ -18,7 +18,9 @@ from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, UniPrefillError, set_current
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, SlotStages
-from uniprefill_sglang.parking import JoiningRows, ParkingLot
+from uniprefill_sglang.parking import JoiningRows, ParkingLot, merge_parked
+from uniprefill_sglang.prefix_reuse import PrefixReuse
+from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
 from uniprefill_sglang.request_plan import is_prefill_mode
 from uniprefill_sglang.selection import DropCandidates, SelectionRule, select_survivors
 
@@ -41,7 +43,8 @@ class UniPrefillRuntime:
     parked rows of chunked prefill, and the steps of a forward."""
 
     def __init__(self, config: UniPrefillConfig, stages: LayerStages, req_to_token_pool,
-                 token_to_kv_pool, device, tp_agreement=None):
+                 token_to_kv_pool, device, tp_agreement=None, checkpoint_shape=None,
+                 allocator=None):
         self.config = config
         self.stages = stages
         self.rule = SelectionRule(config.block_size, config.sink_tokens, config.last_queries)
@@ -58,6 +61,15 @@ class UniPrefillRuntime:
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
         self.parking = ParkingLot(config.max_parked_tokens)
+        # Prefix reuse (prefix_reuse.py): with the radix cache on, (hidden_size, query_size,
+        # dtype) of the checkpoint that lets a request re-select over a cached prefix.
+        self.checkpoint = self.prefix_reuse = None
+        self.checkpoint_batch = None  # the ForwardBatch whose first drop layer runs now
+        if checkpoint_shape is not None and stages.num_drops:
+            self.checkpoint = PrefixCheckpoint(num_slots, *checkpoint_shape, device)
+            self.prefix_reuse = PrefixReuse(self, allocator, self.checkpoint)
+            logger.info("UniPrefill: checkpoint for prefix re-selection, %.1f MiB",
+                        self.checkpoint.bytes / 2**20)
         # Observability: prefill forwards that carried decode rows; prompt tokens that reached
         # a drop with UniPrefill on, and how many were left after the last drop.
         self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
@@ -69,6 +81,8 @@ class UniPrefillRuntime:
     # ---- forward lifecycle -------------------------------------------------------------
     def begin_forward(self, fb) -> DropContext:
         self.slots.mark_written(fb.out_cache_loc)
+        if self.checkpoint is not None:
+            self.checkpoint.invalidate(fb.out_cache_loc)
         plan = getattr(fb, "uniprefill_plan", None)
         is_extend = is_prefill_mode(fb.forward_mode) and fb.extend_seq_lens_cpu is not None
         ctx = DropContext(plan=plan, forward_batch=fb, is_extend=is_extend)
@@ -113,6 +127,9 @@ class UniPrefillRuntime:
         KV only, a sparse prefix the views handle)."""
         set_current(None)
         rows = self.host_rows(ctx.forward_batch)
+        for b, (row, shared) in ctx.moved_prefixes.items():  # back to the shared prefix
+            self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared
+            self.prefix_reuse.release(ctx.plan.decisions[b].rid)
         for b, d in enumerate(ctx.plan.decisions if ctx.plan else []):
             parked = self.parking.give_up(d.rid, "an earlier step failed in UniPrefill's code")
             if parked is not None:  # rejoined rows may have been marked written
@@ -191,6 +208,9 @@ class UniPrefillRuntime:
         c = DropCandidates(None, None, [], None, None, [], [], [], [])
         selecting, joining, parking = [], JoiningRows(), []
         empty = torch.empty(0, dtype=torch.int64, device=device)
+        # Cached prefixes that this step selects over anew rejoin like parked rows.
+        rejoining = (self.prefix_reuse.rejoining_prefixes(ctx, layer, q)
+                     if first_drop and self.prefix_reuse is not None else {})
         for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
             n = ctx.lens[b]
             own = torch.arange(start, start + n, device=device)
@@ -213,6 +233,8 @@ class UniPrefillRuntime:
                 ctx.finished_parking.append(d.rid)
                 if parked.count == 0:
                     parked = None
+            if b in rejoining:
+                parked = merge_parked(rejoining[b], parked)
             if parked is None and n < self.config.min_tokens_to_drop:
                 ctx.note(b, "too few new tokens to score")
                 continue

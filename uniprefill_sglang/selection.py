@@ -81,8 +81,20 @@ def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, 
                                rule: SelectionRule) -> Tuple[torch.Tensor, torch.Tensor]:
     """`select_survivors` in float64 with one request at a time and plain loops."""
     keep_idx, counts = [], []
-    q_ptr, k_ptr = _indptr(cands.query_counts), _indptr(cands.key_counts)
     first_candidate = 0
+    for _, keep in _reference_segments(cands, key_buffer, sm_scale, rule):
+        kept = [first_candidate + i for i, k in enumerate(keep) if k]
+        keep_idx += kept
+        counts.append(len(kept))
+        first_candidate += len(keep)
+    return (torch.tensor(keep_idx, dtype=torch.int64),
+            torch.tensor(counts, dtype=torch.int32))
+
+
+def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
+                        rule: SelectionRule):
+    """Per segment: (the candidates' scores in float64, which candidates the rule keeps)."""
+    q_ptr, k_ptr = _indptr(cands.query_counts), _indptr(cands.key_counts)
     for b in range(cands.num_segments):
         q = cands.queries[q_ptr[b]:q_ptr[b + 1]].double()
         q_pos = cands.query_pos[q_ptr[b]:q_ptr[b + 1]]
@@ -113,9 +125,69 @@ def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, 
         kept_blocks = set(order[:num_kept])
         keep = [i // rule.block_size in kept_blocks or int(cand_pos[i]) < rule.sink_tokens
                 or i >= n - rule.last_window for i in range(n)]
-        kept = [first_candidate + i for i in range(n) if keep[i]]
-        keep_idx += kept
-        counts.append(len(kept))
-        first_candidate += n
-    return (torch.tensor(keep_idx, dtype=torch.int64),
-            torch.tensor(counts, dtype=torch.int32))
+        yield cand, keep
+
+
+# ---- prefix reuse: does a cached selection cover a new request's question? ------------------
+@dataclasses.dataclass
+class PrefixCoverage:
+    """Per segment, as fractions of the attention mass the new request's queries pay its keys:
+    `missing`, kept by the new selection but absent from the cached KV; `dropped`, left out by
+    the new selection itself. The cache covers the request when it misses no more than the
+    selection drops (`covered`): reusing it then loses no more than the method already does."""
+    missing: torch.Tensor  # [B] float
+    dropped: torch.Tensor  # [B] float
+
+    @property
+    def covered(self) -> torch.Tensor:
+        return self.missing <= self.dropped
+
+
+def prefix_coverage(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
+                    rule: SelectionRule, cached: torch.Tensor,
+                    reduce_scores: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                    ) -> PrefixCoverage:
+    """Score each request's cached prefix and new tokens as one candidate set (`cands`, with no
+    prefix keys: `prefix_counts` all 0), select as if nothing were cached, and measure what the
+    cached KV lacks (`cached` [Nk] bool: the cache holds key j beyond the first drop; True for
+    the request's own new tokens)."""
+    device = cands.key_slots.device
+    q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
+    k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
+    scores = kernels.score_tokens(
+        cands.queries, cands.query_pos, q_indptr, key_buffer, cands.key_slots, cands.key_pos,
+        k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts))
+    if reduce_scores is not None:
+        scores = reduce_scores(scores)
+    keep_idx, _ = kernels.select_tokens(
+        scores, cands.key_pos, k_indptr, to_device([0] * cands.num_segments, torch.int64, device),
+        rule.block_size, to_device(cands.top_p, torch.float32, device),
+        to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
+    keep = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
+    keep[keep_idx] = True
+    segment = torch.repeat_interleave(
+        torch.arange(cands.num_segments, device=device),
+        to_device(cands.key_counts, torch.int64, device), output_size=scores.shape[0])
+    sums = torch.zeros(3, cands.num_segments, dtype=torch.float64, device=device)
+    scores = scores.to(torch.float64)
+    sums[0].index_add_(0, segment, scores)
+    sums[1].index_add_(0, segment, scores * (keep & ~cached))
+    sums[2].index_add_(0, segment, scores * ~keep)
+    total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
+    return PrefixCoverage(missing=sums[1] / total, dropped=sums[2] / total)
+
+
+def prefix_coverage_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
+                              rule: SelectionRule, cached: torch.Tensor) -> PrefixCoverage:
+    """`prefix_coverage` in float64, one request at a time."""
+    missing, dropped, start = [], [], 0
+    for scores, keep in _reference_segments(cands, key_buffer, sm_scale, rule):
+        n = len(keep)
+        seg_cached = cached[start:start + n].tolist()
+        total = float(scores.sum()) or 1.0
+        missing.append(sum(float(scores[i]) for i in range(n) if keep[i] and not seg_cached[i])
+                       / total)
+        dropped.append(sum(float(scores[i]) for i in range(n) if not keep[i]) / total)
+        start += n
+    return PrefixCoverage(torch.tensor(missing, dtype=torch.float64),
+                          torch.tensor(dropped, dtype=torch.float64))

@@ -19,7 +19,9 @@ from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LAST_QUERIES,
     DEFAULT_MAX_PARKED_TOKENS,
+    DEFAULT_PREFIX_POLICY,
     DEFAULT_SINK_TOKENS,
+    PREFIX_POLICIES,
     SUPPORTED_ATTENTION_BACKENDS,
     UniPrefillConfig,
     UniPrefillConfigError,
@@ -94,6 +96,18 @@ class UniPrefillServerArgs(ServerArgs):
                  "'none': no profile."),
     ] = None
 
+    uniprefill_prefix_policy: A[
+        str,
+        Arg(help="UniPrefill with the radix cache: what a request that hits a cached prefix does "
+                 "with the tokens the first request's selection dropped. 'verify' (default): "
+                 "score the prefix with the new question at the first drop layer and re-select "
+                 "when the cached survivors miss what it needs; 'reselect': always select anew; "
+                 "'reuse-sparse': reuse the cached selection; 'dense-prefix': as reuse-sparse, "
+                 "but a request generating nothing (a prefix being cached) runs dense. verify "
+                 "and reselect keep one hidden_size vector per KV slot.",
+                 choices=list(PREFIX_POLICIES)),
+    ] = DEFAULT_PREFIX_POLICY
+
     def __post_init__(self):
         if self.enable_uniprefill:
             # Fail before SGLang's (long) resolution pass.
@@ -129,6 +143,7 @@ class UniPrefillServerArgs(ServerArgs):
             min_prompt_tokens=self.uniprefill_min_prompt_tokens,
             max_parked_tokens=self.uniprefill_max_parked_tokens,
             profile=profile,
+            prefix_policy=self.uniprefill_prefix_policy,
         )
 
     def _check_uniprefill_modes(self):

@@ -1,0 +1,257 @@
+"""Prefix reuse under token dropping: which survivors a request that hits a cached prefix uses.
+
+The radix cache shares a prefix's KV slots by token content. Under UniPrefill the later layers
+of a cached prefix hold KV only for the tokens the *first* request's question kept, so a later
+question about the same document may find the tokens it needs dropped. The policies
+(`--uniprefill-prefix-policy`, per request `custom_params["uniprefill_prefix_policy"]`):
+
+* ``reuse-sparse``: read whatever the cache holds (the behaviour before these policies).
+* ``dense-prefix``: a request that generates nothing (``max_new_tokens`` 0: what SGLang's
+  frontend sends to cache the shared prefix before a ``fork``) runs dense, so the prefix it caches
+  holds every token in every layer; other requests reuse as ``reuse-sparse``.
+* ``reselect``: as ``dense-prefix``, and every request with a cached prefix selects anew over
+  prefix plus new tokens, as if nothing were cached.
+* ``verify`` (the default): as ``dense-prefix``; a request whose cached prefix lacks tokens past
+  the first drop scores it with its own last queries at the first drop layer (whose KV holds every
+  token) and re-selects when the cached survivors miss more attention mass than its own selection
+  would drop (selection.prefix_coverage); otherwise it reuses the cache. A cached prefix of at most
+  `--uniprefill-sink-tokens` tokens (a chat template's system turn) is always re-selected: it is
+  cheaper than verifying and keeps block boundaries where the uncached run has them.
+
+Re-selecting costs no recomputation of the first stage: every cached token's residual stream at
+the first drop layer is kept (residual_checkpoint.py), so the prefix's tokens rejoin there as the
+parked rows of a chunked prefill do (parking.py), scored together with the new tokens. They get
+KV slots of their own (the stage-0 KV copied from the shared slots, the later layers written by
+this forward): KV another request shares is never overwritten. Those private slots are the
+request's until it leaves (`release`, from the radix-cache hook), and the tree keeps the prefix
+as the first request cached it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from uniprefill_sglang.config import PREFIX_POLICIES
+from uniprefill_sglang.parking import ParkedRows
+from uniprefill_sglang.selection import DropCandidates, prefix_coverage
+
+logger = logging.getLogger(__name__)
+
+VERIFY, RESELECT, REUSE_SPARSE, DENSE_PREFIX = PREFIX_POLICIES
+# Policies that need the residual checkpoint.
+NEEDS_CHECKPOINT = (VERIFY, RESELECT)
+
+
+def needs_checkpoint(server_args, config) -> bool:
+    """Does this server keep the residual checkpoint (radix cache on, a re-selecting policy)?"""
+    return (not getattr(server_args, "disable_radix_cache", False)
+            and config.prefix_policy in NEEDS_CHECKPOINT)
+
+
+@dataclasses.dataclass
+class PrefixOutcome:
+    """What a request with a cached prefix did with it (reported in meta_info)."""
+    policy: str
+    cached_tokens: int
+    action: str = "reused"  # "reused" | "re-selected"
+    why: Optional[str] = None
+    missing_mass: Optional[float] = None  # verify: mass the cache lacks / the selection drops
+    dropped_mass: Optional[float] = None
+
+    def as_dict(self) -> dict:
+        out = {"policy": self.policy, "cached_tokens": self.cached_tokens, "action": self.action}
+        if self.why:
+            out["why"] = self.why
+        if self.missing_mass is not None:
+            out["missing_mass"] = round(self.missing_mass, 6)
+            out["dropped_mass"] = round(self.dropped_mass, 6)
+        return out
+
+
+class PrivatePrefixes:
+    """KV slots re-selected requests hold for their cached prefix's positions, by request id."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.slots: Dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def held(self) -> int:
+        return sum(int(s.numel()) for s in self.slots.values())
+
+    def take(self, rid: str, count: int) -> Optional[torch.Tensor]:
+        if self.allocator is None or rid in self.slots:
+            return None
+        slots = self.allocator.alloc(count)
+        if slots is not None:
+            self.slots[rid] = slots
+        return slots
+
+    def release(self, rid: str) -> None:
+        slots = self.slots.pop(rid, None)
+        if slots is not None:
+            self.allocator.free(slots)
+
+
+class PrefixReuse:
+    """The first drop's decision for requests with a cached prefix, and the re-selection."""
+
+    def __init__(self, runtime, allocator, checkpoint):
+        self.runtime = runtime
+        self.checkpoint = checkpoint
+        self.private = PrivatePrefixes(allocator)
+        stages = runtime.stages
+        self.stage0_layers = [l for l in range(stages.num_layers) if stages.stage(l) == 0]
+
+    def rejoining_prefixes(self, ctx, layer, q) -> Dict[int, ParkedRows]:
+        """At the first drop layer: per request that re-selects, its cached prefix as rows that
+        rejoin here (moved to private slots). Records every cached-prefix request's outcome."""
+        rt = self.runtime
+        fb = ctx.forward_batch
+        rows = rt.host_rows(fb)
+        req_to_token = rt.req_to_token_pool.req_to_token
+        candidates: List[int] = []  # requests that may re-select
+        verifying: List[int] = []
+        for b, d in enumerate(ctx.plan.decisions):
+            cached = d.cached_len
+            if not d.enabled or cached <= 0 or d.prefix_policy not in NEEDS_CHECKPOINT:
+                if d.enabled and cached > 0:
+                    ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
+                continue
+            outcome = ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
+            parked = rt.parking.get(d.rid)
+            if cached != (parked.start_pos if parked is not None else ctx.fixed_lens[b]):
+                outcome.why = "cached prefix not contiguous with this step's rows"
+                continue
+            if d.prefix_policy == VERIFY:
+                if cached <= rt.config.sink_tokens:
+                    outcome.why = "short cached prefix"
+                elif ctx.prefix_valid[b][1] >= cached:  # (parked rows hold stage 0 only)
+                    outcome.why = "cached prefix holds every token past the first drop"
+                    continue
+                else:
+                    verifying.append(b)
+            candidates.append(b)
+        if not candidates:
+            return {}
+        coverage = self._verify(ctx, layer, q, verifying) if verifying else None
+        prefix_slots = {b: req_to_token[rows[b], :ctx.plan.decisions[b].cached_len]
+                        for b in candidates}
+        # One host read for every decision of the batch.
+        checks = [self.checkpoint.all_valid(prefix_slots[b]) for b in candidates]
+        host = torch.stack(checks).tolist()
+        cov_host = (coverage.missing.tolist(), coverage.dropped.tolist()) if coverage else None
+        out: Dict[int, ParkedRows] = {}
+        for i, b in enumerate(candidates):
+            outcome = ctx.prefix_outcomes[b]
+            if b in verifying:
+                j = verifying.index(b)
+                outcome.missing_mass, outcome.dropped_mass = cov_host[0][j], cov_host[1][j]
+                if outcome.missing_mass <= outcome.dropped_mass:
+                    outcome.why = "the cached survivors cover this request's selection"
+                    continue
+                outcome.why = "the cached survivors miss attention mass this request selects"
+            if not host[i]:
+                outcome.why = "cached prefix has no residual checkpoint (computed in a CUDA graph)"
+                continue
+            rejoin = self._move_to_private(ctx, b, rows[b], prefix_slots[b], layer, q.dtype)
+            if rejoin is None:
+                outcome.why = "KV pool too full for a private copy of the prefix"
+                continue
+            outcome.action = "re-selected"
+            out[b] = rejoin
+        return out
+
+    def _verify(self, ctx, layer, q, verifying: List[int]):
+        """prefix_coverage for the verifying requests: their last queries, keys = cached prefix
+        (stage 0: every token), parked rows of earlier chunks, this step's rows."""
+        rt = self.runtime
+        fb = ctx.forward_batch
+        rows = rt.host_rows(fb)
+        req_to_token = rt.req_to_token_pool.req_to_token
+        starts = ctx.segment_starts()
+        queries, query_pos, keys, key_pos, cached, qc, kc = [], [], [], [], [], [], []
+        top_p, ratio = [], []
+        for b in verifying:
+            d = ctx.plan.decisions[b]
+            n, start, fixed_len = ctx.lens[b], starts[b], ctx.fixed_lens[b]
+            fixed = req_to_token[rows[b], :fixed_len].to(torch.int64)
+            own_q, own_q_pos = self._last_queries(ctx, b, layer, q, fixed)
+            queries.append(own_q)
+            query_pos.append(own_q_pos)
+            keys += [fixed, ctx.out_cache_loc[start:start + n].to(torch.int64)]
+            key_pos += [torch.arange(fixed_len, device=q.device),
+                        ctx.positions[start:start + n].to(torch.int64)]
+            held = rt.slots.valid_mask(fixed[:d.cached_len], 1)
+            own = torch.ones(fixed_len - d.cached_len + n, dtype=torch.bool, device=q.device)
+            cached += [held, own]
+            qc.append(own_q.shape[0])
+            kc.append(fixed_len + n)
+            top_p.append(d.top_p)
+            ratio.append(d.ratio_at(0))
+        cands = DropCandidates(torch.cat(queries), torch.cat(query_pos), qc, torch.cat(keys),
+                               torch.cat(key_pos), kc, [0] * len(verifying), top_p, ratio)
+        reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
+        return prefix_coverage(cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                               layer.scaling, rt.rule, torch.cat(cached), reduce)
+
+    def _last_queries(self, ctx, b: int, layer, q, fixed: torch.Tensor):
+        """Request b's last `--uniprefill-last-queries` queries at this layer: this step's rows,
+        preceded where it is shorter by the parked chunks' last queries or the cached prefix's
+        saved ones."""
+        rt = self.runtime
+        n, start = ctx.lens[b], ctx.segment_starts()[b]
+        q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
+        own_q, own_pos = q[start:start + n], ctx.positions[start:start + n].to(torch.int64)
+        num_q = min(rt.config.last_queries, fixed.numel() + n)
+        if num_q > n:
+            parked = rt.parking.get(ctx.plan.decisions[b].rid)
+            if parked is not None and parked.last_q is not None:
+                prev_q, prev_pos = parked.last_q.to(own_q.dtype), parked.last_q_pos
+            else:
+                k = min(num_q - n, fixed.numel())
+                prev_q = self.checkpoint.queries(fixed[-k:], layer.tp_q_head_num, own_q.dtype)
+                prev_pos = torch.arange(fixed.numel() - k, fixed.numel(), device=q.device)
+            own_q, own_pos = torch.cat([prev_q, own_q]), torch.cat([prev_pos, own_pos])
+        return own_q[-num_q:], own_pos[-num_q:]
+
+    def _move_to_private(self, ctx, b: int, row: int, shared: torch.Tensor, layer, dtype):
+        """Give request b private slots for its cached prefix, holding the prefix's stage-0 KV,
+        and return the prefix as rows that rejoin after the first drop layer's attention."""
+        rt = self.runtime
+        d = ctx.plan.decisions[b]
+        count = shared.numel()
+        private = self.private.take(d.rid, count)
+        if private is None:
+            return None
+        src = shared.to(torch.int64)
+        dst = private.to(device=shared.device, dtype=torch.int64)
+        pool = rt.token_to_kv_pool
+        for l in self.stage0_layers:
+            for buf in (pool.get_key_buffer(l), pool.get_value_buffer(l)):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+        ctx.moved_prefixes[b] = (row, shared.clone())
+        rt.slots.mark_dropped(dst, 0)
+        self.checkpoint.copy(src, dst)
+        req_to_token = rt.req_to_token_pool.req_to_token
+        req_to_token[row, :count] = dst.to(req_to_token.dtype)
+        rejoin = ParkedRows(start_pos=0)
+        rejoin.append(*self.checkpoint.rows(src, dtype))
+        k = min(rt.config.last_queries, count)
+        rejoin.set_last_queries(self.checkpoint.queries(src[-k:], layer.tp_q_head_num, dtype),
+                                torch.arange(count - k, count, device=src.device))
+        # The prefix holds no later-stage KV for this request any more: its valid counts past
+        # stage 0 are those of the rows that rejoin (counted when they enter a stage).
+        ctx.prefix_valid[b] = [ctx.prefix_valid[b][0]] + [0] * rt.stages.num_drops
+        return rejoin
+
+    def release(self, rid: str) -> None:
+        """The request left (finished, aborted or retracted): free its private prefix slots."""
+        self.private.release(rid)
