@@ -58,8 +58,14 @@ weights):
 On random weights the logits are nearly flat, so a greedy token can flip with the bf16
 summation order of the batch a request shares: there the output-token replay mismatches mix
 such flips with real differences, while the kept-token comparison (the drop itself) stays exact.
-SGLang's `--enable-deterministic-inference` would remove the flips; on the H200 it did not start
-with UniPrefill (decode CUDA-graph capture failed), so it is not in the command above.
+SGLang's `--enable-deterministic-inference` (batch-invariant kernels) is meant to remove the
+flips. With it, SGLang's FlashInfer prefill splits the KV at a fixed 4096 tokens in a 2 GiB
+workspace, which 8192-token chunks over prompts longer than 12288 tokens overflow (the scheduler
+dies); and it turns the radix cache off for FlashInfer, so the shared-document requests reuse
+nothing. On the H200:
+
+    SGLANG_FLASHINFER_PREFILL_SPLIT_TILE_SIZE=8192 python benchmarks/soak.py ... \
+        --mem-fraction-static 0.85 --enable-deterministic-inference
 
 Arguments after `--` go to the launcher. Exit status 0 when every check passed.
 """

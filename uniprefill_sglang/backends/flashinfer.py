@@ -21,8 +21,8 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
   batches keep upstream's single wrapper.
 * Decode CUDA graphs: every captured batch size gets one wrapper per stage, with per-stage
   static indptr / indices buffers (their int workspaces shared across batch sizes, since one
-  graph replays at a time, unless the KV split is off: see `create_decode_wrappers`). On replay the buffers are refilled and re-planned outside the graph
-  (`fast_decode_plan`).
+  graph replays at a time, unless the KV split is off: see `create_decode_wrappers`). On replay
+  the buffers are refilled and re-planned outside the graph (`fast_decode_plan`).
 
 Decode never reads the device to plan: the index lists are compacted on the GPU, and their
 lengths come from the host (`seq_len` minus the request's KV gap at that stage, kept by the
