@@ -97,6 +97,8 @@ def _assert_dropped(meta_info: dict) -> dict:
     new_tokens = meta_info["prompt_tokens"] - meta_info["cached_tokens"]
     assert entry["enabled"] and entry["reason"] is None, entry
     assert new_tokens > 256 and len(kept) > 1, (entry, new_tokens)
+    if (entry.get("prefix") or {}).get("action") == "re-selected":
+        new_tokens = meta_info["prompt_tokens"]  # the cached prefix was scored with them
     assert kept[0] == new_tokens, (kept, meta_info)
     assert all(b <= a for a, b in zip(kept, kept[1:])), kept
     assert kept[-1] < kept[0], kept
@@ -328,6 +330,108 @@ def test_metrics_count_requests_by_outcome_and_the_kept_fraction(server):
     bounds = [*(str(b) for b in KEPT_FRACTION_BUCKETS), "+Inf"]
     assert buckets == {le for le in bounds if float(le) >= fraction}, (fraction, delta)
     assert 0 < fraction < 1
+
+
+# --- prefix reuse: a frontend program and a multi-turn chat over one document ---------------
+
+@pytest.fixture(scope="module")
+def shared_case(smollm2_path):
+    from transformers import AutoTokenizer
+
+    from uniprefill_sglang.tools import shared_context
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    return shared_context.make_case(tok, "locker", 1100, num_facts=3, seed=21)
+
+
+def _flush_cache(server):
+    deadline = time.monotonic() + 60
+    while server.post("/flush_cache", {}).status_code != 200:
+        assert time.monotonic() < deadline, "radix cache flush kept being refused"
+        time.sleep(0.2)
+
+
+def test_frontend_fork_over_a_shared_document_answers_as_dense(server, shared_case):
+    """An `sgl.function` that forks after a long shared document, one question per branch,
+    through `sgl.RuntimeEndpoint`. The document is cached first with the frontend backend's
+    `cache_prefix` (a request generating nothing, as `fork` sends when the text is already
+    there), which runs dense under the default policy: each branch answers as dense does."""
+    import sglang as sgl
+
+    @sgl.function
+    def ask_all(s, document, questions):
+        s += document
+        forks = s.fork(len(questions))
+        for f, q in zip(forks, questions):
+            f += "\n\n" + q
+            f += sgl.gen("answer", max_tokens=GREEDY["max_new_tokens"], temperature=0)
+        return [(f["answer"], f.get_meta_info("answer")) for f in forks]
+
+    questions = [q.text for q in shared_case.questions]
+    _flush_cache(server)
+    backend = sgl.RuntimeEndpoint(server.url)
+    backend.cache_prefix(shared_case.document)
+    state = ask_all.run(document=shared_case.document, questions=questions, backend=backend)
+    answers = state.ret_value
+    _flush_cache(server)
+    for (answer, meta), q in zip(answers, questions):
+        assert meta["cached_tokens"] > 200, meta  # the branch read the cached document
+        dense = _generate(server, shared_case.document + "\n\n" + q, {"uniprefill": False})
+        assert answer == dense["text"], (q, answer, dense["text"])
+        prefix = _prefill_entry(meta).get("prefix")
+        assert prefix is None or prefix["policy"] == "verify", meta
+    _flush_cache(server)
+
+
+def test_openai_multi_turn_chat_over_one_document(server, shared_case):
+    """A chat through `/v1/chat/completions` (`custom_params` as the Python client's
+    `extra_body` sends it): each turn asks another fact about the document of the first turn,
+    hitting the earlier turns in the cache. The assistant turns are the right answers, so every
+    run sees the same messages. Re-selecting turns answer exactly as the same messages on a
+    flushed cache (each selecting for itself); the default policy says what it did with the
+    cached turns; dense answers the same messages for comparison."""
+    questions = shared_case.questions
+    turns = [shared_case.document + "\n\n" + questions[0].text.split("\n")[0]]
+    turns += [q.text.split("\n")[0] for q in questions[1:]]
+    messages = []
+    for turn, q in zip(turns, questions):
+        messages += [{"role": "user", "content": turn},
+                     {"role": "assistant", "content": f"The code is {q.answer}."}]
+
+    def chat(k, knobs):
+        r = server.post("/v1/chat/completions", {
+            "model": "default", "messages": messages[:2 * k + 1], "temperature": 0,
+            "max_tokens": 16, "custom_params": knobs, "return_meta_info": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"], _prefill_entry(choice["meta_info"])
+
+    def conversation(knobs, cached: bool):
+        _flush_cache(server)
+        out = []
+        for k in range(len(turns)):
+            if not cached:
+                _flush_cache(server)
+            out.append(chat(k, knobs))
+        return out
+
+    reselect = conversation({"uniprefill_prefix_policy": "reselect"}, cached=True)
+    alone = conversation({}, cached=False)
+    verify = conversation({"uniprefill_prefix_policy": "verify"}, cached=True)
+    dense = conversation({"uniprefill": False}, cached=True)
+    for k in range(1, len(turns)):
+        assert reselect[k][1]["prefix"]["action"] == "re-selected", reselect[k][1]
+        assert reselect[k][0] == alone[k][0], (k, reselect[k][0], alone[k][0])
+        prefix = verify[k][1]["prefix"]
+        assert prefix["policy"] == "verify" and prefix["cached_tokens"] > 200, prefix
+        assert prefix["action"] in ("reused", "re-selected") and prefix["why"], prefix
+    right = [[q.correct(text) for (text, _), q in zip(run, questions)]
+             for run in (dense, alone, verify)]
+    print("multi-turn chat, turns answered right (dense, alone, verify):", right)
+    # Where dense answers, the cached conversation loses at most one turn.
+    lost = sum(d and not v for d, v in zip(right[0], right[2]))
+    assert lost <= 1, right
+    _flush_cache(server)
 
 
 # --- the end state --------------------------------------------------------------------------
