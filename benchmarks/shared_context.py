@@ -119,13 +119,10 @@ def _flush(engine) -> None:
 
 def _send(engine, ids: List[int], knobs: dict, max_new_tokens: int) -> dict:
     """One greedy request, streamed: TTFT = the first chunk's arrival."""
+    from uniprefill_sglang.tools.demo import timed_generate
+
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "custom_params": knobs}
-    start = time.perf_counter()
-    ttft, last = None, None
-    for chunk in engine.generate(input_ids=ids, sampling_params=params, stream=True):
-        if ttft is None:
-            ttft = time.perf_counter() - start
-        last = chunk
+    ttft, last = timed_generate(engine, ids, params)
     meta = last["meta_info"]
     entry = (meta.get("uniprefill") or [{}])[0]
     return {"text": last.get("text", ""), "output_ids": last.get("output_ids"),
@@ -228,19 +225,6 @@ def markdown(summary: Dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def make_engine(model: str, engine_kwargs: dict):
-    import torch
-
-    if torch.cuda.is_available():
-        import sglang
-
-        return sglang.Engine(model_path=model, enable_uniprefill=True,
-                             **{"log_level": "error", **engine_kwargs})
-    from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
-
-    return make_cpu_engine(model, enable_uniprefill=True, **engine_kwargs)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2",
@@ -292,7 +276,12 @@ def main(argv=None) -> dict:
         convs = [c for f in args.formats.split(",")
                  for c in builders[f](tok, kinds, lengths, seeds, args.facts)]
         max_new = args.max_new_tokens
-    engine = make_engine(model, engine_kwargs)
+    import torch
+
+    from uniprefill_sglang.tools.demo import make_engine
+
+    engine = make_engine(model, torch.cuda.is_available(), enable_uniprefill=True,
+                         **engine_kwargs)
     try:
         if args.random_prompts:  # warm-up: kernels, CUDA graphs, FlashInfer plans
             run(engine, convs[:1], modes, max_new, progress=False)

@@ -55,7 +55,7 @@ def _release_private_prefix(result, cache, req, *args, **kwargs):
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
-    if runtime is not None and runtime.prefix_reuse is not None:
+    if runtime is not None:
         runtime.prefix_reuse.release(req.rid)
     return result
 

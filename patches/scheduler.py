@@ -35,7 +35,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "mixed_forwards": runtime.mixed_forwards,
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
-        "private_prefix_slots": runtime.prefix_reuse.private.held if runtime.prefix_reuse else 0,
+        "private_prefix_slots": runtime.prefix_reuse.private.held,
     }
     return result
 
@@ -59,7 +59,7 @@ def _count_private_prefixes(result, checker, *args, **kwargs):
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
-    if runtime is None or runtime.prefix_reuse is None or not isinstance(result, tuple):
+    if runtime is None or not isinstance(result, tuple):
         return result
     full, swa = result
     return full + runtime.prefix_reuse.private.held, swa

@@ -46,8 +46,10 @@ def _flush(engine):
         time.sleep(0.1)
 
 
-def _ask(engine, ids, policy=None, **params):
-    knobs = {} if policy is None else {"uniprefill_prefix_policy": policy}
+def _ask(engine, ids, policy=None, knobs=None, **params):
+    knobs = dict(knobs or {})
+    if policy is not None:
+        knobs["uniprefill_prefix_policy"] = policy
     out = engine.generate(input_ids=ids, sampling_params={**GREEDY, **params,
                                                           "custom_params": knobs})
     entries = out["meta_info"]["uniprefill"]  # none for a request that generates nothing
@@ -148,4 +150,29 @@ def test_a_short_cached_system_turn_is_reselected(engine, tokenizer):
     assert meta["prefix"]["action"] == "re-selected" and meta["prefix"]["why"] == \
         "short cached prefix", meta
     assert meta["kept_digest"] == ref_meta["kept_digest"] and out["text"] == ref["text"]
+    _assert_idle(engine)
+
+
+def test_a_dense_request_gets_back_what_the_cache_dropped(engine, tokenizer):
+    """A request that asks for no drop (`uniprefill: false`) over a document an earlier request
+    cached sparse: the dropped tokens rejoin (from the checkpoint, onto private slots), so it
+    answers as dense on an empty cache. Under reuse-sparse it reads the cache as it is."""
+    from uniprefill_sglang.tools import shared_context
+
+    case = shared_context.make_case(tokenizer, "locker", 1200, num_facts=2, seed=9)
+    dense = {"uniprefill": False}
+    _flush(engine)
+    ref, _ = _ask(engine, case.prompt_ids(1), knobs=dense)
+    for policy, action in (("verify", "restored"), ("reuse-sparse", None)):
+        _flush(engine)
+        _, first = _ask(engine, case.prompt_ids(0), policy)
+        assert first["kept_tokens"][-1] < first["kept_tokens"][0], first  # the cache is sparse
+        out, meta = _ask(engine, case.prompt_ids(1), policy, knobs=dense)
+        assert not meta["enabled"] and meta["reason"] == "disabled by the request", meta
+        if action is None:
+            assert meta.get("prefix") is None, meta
+        else:
+            assert meta["prefix"]["action"] == action, meta
+            assert meta["kept_tokens"][-1] == meta["kept_tokens"][0], meta  # nothing dropped
+            assert out["text"] == ref["text"]
     _assert_idle(engine)

@@ -30,7 +30,6 @@ as the first request cached it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Dict, List, Optional
 
 import torch
@@ -38,8 +37,6 @@ import torch
 from uniprefill_sglang.config import PREFIX_POLICIES
 from uniprefill_sglang.parking import ParkedRows
 from uniprefill_sglang.selection import DropCandidates, prefix_coverage
-
-logger = logging.getLogger(__name__)
 
 VERIFY, RESELECT, REUSE_SPARSE, DENSE_PREFIX = PREFIX_POLICIES
 # Policies that need the residual checkpoint.
@@ -57,7 +54,7 @@ class PrefixOutcome:
     """What a request with a cached prefix did with it (reported in meta_info)."""
     policy: str
     cached_tokens: int
-    action: str = "reused"  # "reused" | "re-selected"
+    action: str = "reused"  # "reused" | "re-selected" | "restored" (a dense request)
     why: Optional[str] = None
     missing_mass: Optional[float] = None  # verify: mass the cache lacks / the selection drops
     dropped_mass: Optional[float] = None
@@ -105,7 +102,7 @@ class PrefixReuse:
 
     def __init__(self, runtime, allocator, checkpoint):
         self.runtime = runtime
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint  # None: nothing can be re-selected on this server
         self.private = PrivatePrefixes(allocator)
         stages = runtime.stages
         self.stage0_layers = [l for l in range(stages.num_layers) if stages.stage(l) == 0]
@@ -121,6 +118,13 @@ class PrefixReuse:
         verifying: List[int] = []
         for b, d in enumerate(ctx.plan.decisions):
             cached = d.cached_len
+            if d.restore_prefix:  # a dense request: back to every token, if any is missing
+                ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
+                if ctx.prefix_valid[b][-1] >= cached:
+                    ctx.prefix_outcomes[b].why = "cached prefix holds every token"
+                else:
+                    candidates.append(b)
+                continue
             if not d.enabled or cached <= 0 or d.prefix_policy not in NEEDS_CHECKPOINT:
                 if d.enabled and cached > 0:
                     ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
@@ -141,31 +145,45 @@ class PrefixReuse:
             candidates.append(b)
         if not candidates:
             return {}
-        coverage = self._verify(ctx, layer, q, verifying) if verifying else None
+        if self.checkpoint is None:
+            for b in candidates:
+                ctx.prefix_outcomes[b].why = ("this server keeps no prefix checkpoint (radix "
+                                              "cache off, or a policy that never re-selects)")
+            return {}
         prefix_slots = {b: req_to_token[rows[b], :ctx.plan.decisions[b].cached_len]
                         for b in candidates}
-        # One host read for every decision of the batch.
-        checks = [self.checkpoint.all_valid(prefix_slots[b]) for b in candidates]
-        host = torch.stack(checks).tolist()
-        cov_host = (coverage.missing.tolist(), coverage.dropped.tolist()) if coverage else None
+        # One host read for every decision of the batch: has each prefix a checkpoint, and
+        # (verify) the masses.
+        parts = [torch.stack([self.checkpoint.all_valid(prefix_slots[b])
+                              for b in candidates]).double()]
+        if verifying:
+            coverage = self._verify(ctx, layer, q, verifying)
+            parts += [coverage.missing.double(), coverage.dropped.double()]
+        host = torch.cat(parts).tolist()
+        has_checkpoint = host[:len(candidates)]
+        missing = dict(zip(verifying, host[len(candidates):len(candidates) + len(verifying)]))
+        dropped = dict(zip(verifying, host[len(candidates) + len(verifying):]))
         out: Dict[int, ParkedRows] = {}
         for i, b in enumerate(candidates):
             outcome = ctx.prefix_outcomes[b]
-            if b in verifying:
-                j = verifying.index(b)
-                outcome.missing_mass, outcome.dropped_mass = cov_host[0][j], cov_host[1][j]
+            if b in missing:
+                outcome.missing_mass, outcome.dropped_mass = missing[b], dropped[b]
                 if outcome.missing_mass <= outcome.dropped_mass:
                     outcome.why = "the cached survivors cover this request's selection"
                     continue
                 outcome.why = "the cached survivors miss attention mass this request selects"
-            if not host[i]:
-                outcome.why = "cached prefix has no residual checkpoint (computed in a CUDA graph)"
+            if not has_checkpoint[i]:
+                outcome.why = "cached prefix has no checkpoint (computed in a prefill CUDA graph)"
                 continue
             rejoin = self._move_to_private(ctx, b, rows[b], prefix_slots[b], layer, q.dtype)
             if rejoin is None:
                 outcome.why = "KV pool too full for a private copy of the prefix"
                 continue
-            outcome.action = "re-selected"
+            if ctx.plan.decisions[b].restore_prefix:
+                outcome.action = "restored"
+                outcome.why = "a dense request: the tokens the cache dropped rejoin, all kept"
+            else:
+                outcome.action = "re-selected"
             out[b] = rejoin
         return out
 

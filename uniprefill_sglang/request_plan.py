@@ -19,8 +19,10 @@ from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knob
 logger = logging.getLogger(__name__)
 
 _logged_reasons: set = set()
-# Prefix policies under which a request generating nothing runs dense (prefix_reuse.py).
+# Prefix policies under which a request generating nothing runs dense, and under which a dense
+# request gets back what a cached prefix dropped (prefix_reuse.py).
 CACHES_DENSE = tuple(p for p in PREFIX_POLICIES if p != "reuse-sparse")
+RESTORES_DENSE = ("verify", "reselect")
 
 # Why requests run dense when the runtime has no drop schedule: "no drop layers" (the user said
 # `--uniprefill-drop-layers none`) unless the model runner found an unsupported architecture.
@@ -57,6 +59,9 @@ class RequestDecision:
     # for this request (0 without a radix cache).
     prefix_policy: str = "reuse-sparse"
     cached_len: int = 0
+    # A dense request (it asked for no drop) over a cached prefix that may lack tokens in later
+    # layers: under verify / reselect those rejoin at the first drop layer, all kept.
+    restore_prefix: bool = False
 
     def ratio_at(self, drop_index: int) -> float:
         """Keep ratio of the given drop, or 0.0 for top-p selection."""
@@ -71,14 +76,14 @@ class BatchPlan:
 
     def all_dense(self, reason: str) -> "BatchPlan":
         """The same batch with every request dense (a forward that failed runs again)."""
-        return BatchPlan([dataclasses.replace(d, enabled=False, park=False,
+        return BatchPlan([dataclasses.replace(d, enabled=False, park=False, restore_prefix=False,
                                               reason=d.reason if d.reason == "decode" else reason)
                           for d in self.decisions])
 
     @property
     def any_enabled(self) -> bool:
-        """Does any request drop or park rows at the drop layers?"""
-        return any(d.enabled or d.park for d in self.decisions)
+        """Does any request drop, park or restore rows at the drop layers?"""
+        return any(d.enabled or d.park or d.restore_prefix for d in self.decisions)
 
 
 def is_prefill_mode(mode) -> bool:
@@ -111,7 +116,9 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
         return dense(f"invalid per-request parameter: {e}")
     top_p, keep_ratio, policy = knobs.top_p, knobs.keep_ratio, knobs.prefix_policy
     if not knobs.enabled:
-        return dense("disabled by the request")
+        restore = cached_len > 0 and policy in RESTORES_DENSE and has_schedule
+        return dataclasses.replace(dense("disabled by the request"), restore_prefix=restore,
+                                   rid=getattr(req, "rid", None))
     if not has_schedule:
         return dense(_no_schedule_reason)
     if batch_reason is not None:

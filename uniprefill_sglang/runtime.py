@@ -10,7 +10,7 @@ lacks (the host mirror decode plans with).
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -63,13 +63,13 @@ class UniPrefillRuntime:
         self.parking = ParkingLot(config.max_parked_tokens)
         # Prefix reuse (prefix_reuse.py): with the radix cache on, (hidden_size, query_size,
         # dtype) of the checkpoint that lets a request re-select over a cached prefix.
-        self.checkpoint = self.prefix_reuse = None
+        self.checkpoint = None
         self.checkpoint_batch = None  # the ForwardBatch whose first drop layer runs now
         if checkpoint_shape is not None and stages.num_drops:
             self.checkpoint = PrefixCheckpoint(num_slots, *checkpoint_shape, device)
-            self.prefix_reuse = PrefixReuse(self, allocator, self.checkpoint)
             logger.info("UniPrefill: checkpoint for prefix re-selection, %.1f MiB",
                         self.checkpoint.bytes / 2**20)
+        self.prefix_reuse = PrefixReuse(self, allocator, self.checkpoint)
         # Observability: prefill forwards that carried decode rows; prompt tokens that reached
         # a drop with UniPrefill on, and how many were left after the last drop.
         self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
@@ -209,8 +209,7 @@ class UniPrefillRuntime:
         selecting, joining, parking = [], JoiningRows(), []
         empty = torch.empty(0, dtype=torch.int64, device=device)
         # Cached prefixes that this step selects over anew rejoin like parked rows.
-        rejoining = (self.prefix_reuse.rejoining_prefixes(ctx, layer, q)
-                     if first_drop and self.prefix_reuse is not None else {})
+        rejoining = self.prefix_reuse.rejoining_prefixes(ctx, layer, q) if first_drop else {}
         for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
             n = ctx.lens[b]
             own = torch.arange(start, start + n, device=device)
@@ -226,7 +225,7 @@ class UniPrefillRuntime:
                     del self.parking.refused[d.rid]
                     ctx.note(b, f"earlier chunks not parked ({why}): drops among its final "
                                 "chunk's tokens only")
-            if not d.enabled:
+            if not d.enabled and b not in rejoining:
                 continue
             parked = self.parking.get(d.rid) if first_drop else None
             if parked is not None:
@@ -265,8 +264,9 @@ class UniPrefillRuntime:
             c.query_counts.append(num_q)
             c.key_counts.append(prefix_slots.numel() + joined + n)
             c.prefix_counts.append(prefix_slots.numel())
-            c.top_p.append(d.top_p)
-            c.keep_ratio.append(d.ratio_at(drop_index))
+            # A dense request whose cached prefix rejoins keeps every row.
+            c.top_p.append(d.top_p if d.enabled else 1.0)
+            c.keep_ratio.append(d.ratio_at(drop_index) if d.enabled else 0.0)
             selecting.append((b, rows, joined))
         if selecting:
             c.queries, c.query_pos = torch.cat(queries), torch.cat(query_pos)

@@ -63,6 +63,12 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
     batch (segment 0's candidates first, prefix keys not counted), and kept candidates per
     segment (int32 on the device). `reduce_scores` sums the per-token scores over tensor-
     parallel ranks, each of which scored with its own heads."""
+    _, keep_idx, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
+    return keep_idx, counts
+
+
+def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
+    """(per-key scores [Nk] fp32, keep_idx, kept counts): the kernels' two steps."""
     device = cands.key_slots.device
     q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
     k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
@@ -71,10 +77,11 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
         k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts))
     if reduce_scores is not None:
         scores = reduce_scores(scores)
-    return kernels.select_tokens(
+    keep_idx, counts = kernels.select_tokens(
         scores, cands.key_pos, k_indptr, to_device(cands.prefix_counts, torch.int64, device),
         rule.block_size, to_device(cands.top_p, torch.float32, device),
         to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
+    return scores, keep_idx, counts
 
 
 def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
@@ -151,18 +158,10 @@ def prefix_coverage(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: f
     prefix keys: `prefix_counts` all 0), select as if nothing were cached, and measure what the
     cached KV lacks (`cached` [Nk] bool: the cache holds key j beyond the first drop; True for
     the request's own new tokens)."""
+    if any(cands.prefix_counts):
+        raise ValueError("prefix_coverage scores every key as a candidate: prefix_counts must be 0")
     device = cands.key_slots.device
-    q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
-    k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
-    scores = kernels.score_tokens(
-        cands.queries, cands.query_pos, q_indptr, key_buffer, cands.key_slots, cands.key_pos,
-        k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts))
-    if reduce_scores is not None:
-        scores = reduce_scores(scores)
-    keep_idx, _ = kernels.select_tokens(
-        scores, cands.key_pos, k_indptr, to_device([0] * cands.num_segments, torch.int64, device),
-        rule.block_size, to_device(cands.top_p, torch.float32, device),
-        to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
+    scores, keep_idx, _ = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
     keep = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
     keep[keep_idx] = True
     segment = torch.repeat_interleave(

@@ -104,7 +104,8 @@ class UniPrefillServerArgs(ServerArgs):
                  "when the cached survivors miss what it needs; 'reselect': always select anew; "
                  "'reuse-sparse': reuse the cached selection; 'dense-prefix': as reuse-sparse, "
                  "but a request generating nothing (a prefix being cached) runs dense. verify "
-                 "and reselect keep one hidden_size vector per KV slot.",
+                 "and reselect keep each KV slot's residual stream and query at the first drop "
+                 "layer, counted when the KV pool is sized.",
                  choices=list(PREFIX_POLICIES)),
     ] = DEFAULT_PREFIX_POLICY
 

@@ -31,7 +31,8 @@ def _has_cuda() -> bool:
         return False
 
 
-def _engine(model_path: str, on_gpu: bool, **kwargs):
+def make_engine(model_path: str, on_gpu: bool, **kwargs):
+    """`sglang.Engine` on the GPU, else SGLang's CPU engine (cpu_engine.py)."""
     if on_gpu:
         import sglang
 
@@ -41,7 +42,7 @@ def _engine(model_path: str, on_gpu: bool, **kwargs):
     return make_cpu_engine(model_path, **kwargs)
 
 
-def _timed_generate(engine, input_ids: list[int], params: dict) -> tuple[float, dict]:
+def timed_generate(engine, input_ids: list[int], params: dict) -> tuple[float, dict]:
     """(seconds to the first streamed chunk, last chunk) of one request."""
     start = time.perf_counter()
     ttft, last = None, None
@@ -86,14 +87,14 @@ def main(argv=None) -> None:
     # Stop at the end of the answer sentence: the model goes on with haystack text otherwise.
     params = {"temperature": 0.0, "max_new_tokens": case.max_new_tokens, "stop": [".", "\n"]}
     runs: dict[str, list] = {"dense": [], "UniPrefill": []}
-    engine = _engine(model_path, on_gpu, **engine_kwargs)
+    engine = make_engine(model_path, on_gpu, **engine_kwargs)
     try:
         engine.generate("Warm-up prompt.", {"max_new_tokens": 2})
         # Each way twice, alternating, and the faster TTFT kept: one request's time is noisy on
         # a busy CPU.
         for _ in range(2):
             for name, custom in (("UniPrefill", {}), ("dense", DENSE)):
-                runs[name].append(_timed_generate(engine, case.input_ids,
+                runs[name].append(timed_generate(engine, case.input_ids,
                                                   {**params, "custom_params": custom}))
     finally:
         engine.shutdown()
