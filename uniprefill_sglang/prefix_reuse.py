@@ -18,13 +18,16 @@ question about the same document may find the tokens it needs dropped. The polic
   `--uniprefill-sink-tokens` tokens (a chat template's system turn) is always re-selected: it is
   cheaper than verifying and keeps block boundaries where the uncached run has them.
 
-Re-selecting costs no recomputation of the first stage: every cached token's residual stream at
-the first drop layer is kept (residual_checkpoint.py), so the prefix's tokens rejoin there as the
-parked rows of a chunked prefill do (parking.py), scored together with the new tokens. They get
-KV slots of their own (the stage-0 KV copied from the shared slots, the later layers written by
-this forward): KV another request shares is never overwritten. Those private slots are the
-request's until it leaves (`release`, from the radix-cache hook), and the tree keeps the prefix
-as the first request cached it.
+Under ``verify`` and ``reselect`` a request that asked for no drop (``uniprefill: false``) over a
+prefix cached sparse gets the dropped tokens back ("restored"): they rejoin with every row kept.
+
+Re-selecting costs no recomputation of the first stage: every cached token's residual stream and
+query at the first drop layer are kept (prefix_checkpoint.py), so the prefix's tokens rejoin there
+as the parked rows of a chunked prefill do (parking.py), scored together with the new tokens.
+They get KV slots of their own (the stage-0 KV copied from the shared slots, the later layers
+written by this forward): KV another request shares is never overwritten. Those private slots
+are the request's until it leaves (`release`, from the radix-cache hook), and the tree keeps
+the prefix as the first request cached it.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ from uniprefill_sglang.parking import ParkedRows
 from uniprefill_sglang.selection import DropCandidates, prefix_coverage
 
 VERIFY, RESELECT, REUSE_SPARSE, DENSE_PREFIX = PREFIX_POLICIES
-# Policies that need the residual checkpoint.
+# Policies that need the checkpoint (prefix_checkpoint.py).
 NEEDS_CHECKPOINT = (VERIFY, RESELECT)
 
 
 def needs_checkpoint(server_args, config) -> bool:
-    """Does this server keep the residual checkpoint (radix cache on, a re-selecting policy)?"""
+    """Does this server keep the checkpoint (radix cache on, a re-selecting policy)?"""
     return (not getattr(server_args, "disable_radix_cache", False)
             and config.prefix_policy in NEEDS_CHECKPOINT)
 
