@@ -479,7 +479,21 @@ def replay(url: str, specs: list, outcomes: dict, max_replays: int, time_limit_s
 
 def check_server(url: str, server: Optional[sp.ServerProcess], idle_timeout_s: float) -> dict:
     """Pools at idle (ours), SGLang's idle check (the server survived it, no leak logged), and
-    every KV slot free after a flush."""
+    every KV slot free after a flush. A server that stopped answering is a problem recorded with
+    its exit status and last log line, not a crash of the soak (the result is still written)."""
+    try:
+        return _check_live_server(url, server, idle_timeout_s)
+    except (requests.RequestException, RuntimeError, TimeoutError) as e:
+        problem = f"server unreachable: {type(e).__name__}: {e}"
+        if server is not None:
+            tail = server.log_text().strip().splitlines()[-1:] or [""]
+            problem += (f" (alive: {server.alive()}, exit status {server.proc.returncode}, "
+                        f"last log line: {tail[0][:300]!r})")
+        return {"idle_wait_s": None, "state": None, "after_flush": None, "leaked_slots": 0,
+                "problems": [problem], "unreachable": True}
+
+
+def _check_live_server(url: str, server: Optional[sp.ServerProcess], idle_timeout_s: float):
     t0 = time.monotonic()
     state = sp.wait_pool_state(url, idle_timeout_s)
     idle_wait = time.monotonic() - t0
@@ -568,10 +582,17 @@ def soak(args, extra: list) -> dict:
         checks = check_server(url, server, cfg["idle_timeout_s"])
 
         t0 = time.monotonic()
-        replayed = replay(url, specs, outcomes, cfg["max_replays"], cfg["replay_time_limit_s"],
-                          rng, cfg["request_timeout_s"])
+        if checks.get("unreachable"):  # nothing to replay against
+            replayed = {"comparable": sum(comparable(s, outcomes[s.idx]) for s in specs),
+                        "replayed": 0, "replayed_dropped": 0, "mismatches": [],
+                        "drop_mismatches": [], "errors": [], "not_replayed_time_limit": 0,
+                        "not_replayed_server_unreachable": True}
+            final = checks
+        else:
+            replayed = replay(url, specs, outcomes, cfg["max_replays"],
+                              cfg["replay_time_limit_s"], rng, cfg["request_timeout_s"])
+            final = check_server(url, server, cfg["idle_timeout_s"])
         replay_s = time.monotonic() - t0
-        final = check_server(url, server, cfg["idle_timeout_s"])
     finally:
         if server is not None:
             server.stop()
@@ -604,7 +625,8 @@ def soak(args, extra: list) -> dict:
             counts["abort_too_late"] += out.abort_sent
             counts[drop_outcome(out.meta)] = counts.get(drop_outcome(out.meta), 0) + 1
             counts["cached_prefix"] += bool((out.meta or {}).get("cached_tokens"))
-    problems = checks["problems"] + [f"after the replay: {p}" for p in final["problems"]]
+    problems = checks["problems"] + [f"after the replay: {p}" for p in final["problems"]
+                                     if final is not checks]
     summary = {
         "requests": len(specs), **counts, "failures": len(failures),
         "leaked_slots": max(checks["leaked_slots"], final["leaked_slots"]),

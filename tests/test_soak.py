@@ -91,3 +91,13 @@ def test_replay_alone_gives_the_same_outputs(result):
     assert replay["drop_mismatches"] == [], replay["drop_mismatches"][:3]
     # Requests that dropped tokens are among those compared, so the comparison covers the drop.
     assert replay["replayed_dropped"] >= 3, replay
+
+
+def test_a_server_that_stopped_answering_is_a_recorded_problem():
+    """The checks of a server that is gone return a problem (written to the result file), not
+    an exception that loses the soak's figures."""
+    from uniprefill_sglang.tools.server_process import free_port
+
+    soak = _load_soak()
+    checks = soak.check_server(f"http://127.0.0.1:{free_port()}", None, idle_timeout_s=2.0)
+    assert checks["unreachable"] and checks["problems"][0].startswith("server unreachable"), checks
