@@ -2,9 +2,10 @@
 
 `UniPrefillRuntime` is created when the model runner has built its model and KV pool
 (patches/model_runner.py). Per forward it opens a `DropContext`; at each drop layer it gathers
-the candidates (selection.py picks the survivors), shrinks the context to them and records which
-KV slots the later layers will not write; at the end it records, per request, the KV each stage
-lacks (the host mirror decode plans with).
+the candidates (selection.py picks the survivors; at the first drop, parked chunks and cached
+prefixes that re-select rejoin as candidates: parking.py, prefix_reuse.py), shrinks the context
+to them and records which KV slots the later layers will not write; at the end it records, per
+request, the KV each stage lacks (the host mirror decode plans with).
 """
 
 from __future__ import annotations
