@@ -106,7 +106,8 @@ def test_verify_reports_its_choice_and_reuse_sparse_does_not_verify(engine, toke
             assert prefix["action"] in ("reused", "re-selected") and prefix["why"], prefix
             if "missing_mass" in prefix:
                 assert 0 <= prefix["missing_mass"] <= 1 and 0 <= prefix["dropped_mass"] <= 1
-                reused = prefix["missing_mass"] <= prefix["dropped_mass"]
+                assert prefix["tolerance"] == pytest.approx(1 - 0.99)  # the profile's top-p
+                reused = prefix["missing_mass"] <= prefix["tolerance"]
                 assert reused == (prefix["action"] == "reused"), prefix
         else:
             assert prefix["action"] == "reused" and "missing_mass" not in prefix

@@ -107,7 +107,7 @@ def test_prefix_coverage_matches_the_reference(seed, monkeypatch):
         assert not torch.isnan(g).any()
         assert torch.allclose(g.double(), w, rtol=1e-4, atol=1e-6), (g, w)
         assert ((0 <= w) & (w <= 1 + 1e-9)).all()
-    assert got.covered.tolist() == want.covered.tolist()
+    assert got.covered(0.05).tolist() == want.covered(0.05).tolist()
 
 
 def test_a_cache_that_holds_everything_covers_any_question():
@@ -115,7 +115,7 @@ def test_a_cache_that_holds_everything_covers_any_question():
     full, cached = _as_coverage_batch(cands, 3)
     cov = prefix_coverage(full, key_buffer, scale, rule, torch.ones_like(cached))
     assert cov.missing.tolist() == [0.0] * full.num_segments
-    assert cov.covered.all()
+    assert cov.covered(0.0).all()
 
 
 def test_a_cache_that_lost_the_attended_block_does_not_cover():
@@ -132,4 +132,4 @@ def test_a_cache_that_lost_the_attended_block_does_not_cover():
     cached[96:128] = False
     for fn in (prefix_coverage, prefix_coverage_reference):
         cov = fn(cands, key_buffer, dim ** -0.5, rule, cached)
-        assert float(cov.missing[0]) > 0.9 and not bool(cov.covered[0])
+        assert float(cov.missing[0]) > 0.9 and not bool(cov.covered(0.01)[0])

@@ -13,8 +13,9 @@ question about the same document may find the tokens it needs dropped. The polic
   prefix plus new tokens, as if nothing were cached.
 * ``verify`` (the default): as ``dense-prefix``; a request whose cached prefix lacks tokens past
   the first drop scores it with its own last queries at the first drop layer (whose KV holds every
-  token) and re-selects when the cached survivors miss more attention mass than its own selection
-  would drop (selection.prefix_coverage); otherwise it reuses the cache. A cached prefix of at most
+  token), selects as if nothing were cached, and re-selects when the tokens of that selection which
+  the cache lacks carry more than 1 - top-p of the attention mass (selection.prefix_coverage; the
+  loss a top-p selection itself accepts); otherwise it reuses the cache. A cached prefix of at most
   `--uniprefill-sink-tokens` tokens (a chat template's system turn) is always re-selected: it is
   cheaper than verifying and keeps block boundaries where the uncached run has them.
 
@@ -52,6 +53,13 @@ def needs_checkpoint(server_args, config) -> bool:
             and config.prefix_policy in NEEDS_CHECKPOINT)
 
 
+def reuse_tolerance(top_p: float) -> float:
+    """The attention mass a verified reuse may miss: 1 - top-p, what a top-p selection itself
+    lets go (a keep-ratio request uses the server's top-p, 0.99 unless set). Top-p 1 tolerates
+    nothing."""
+    return max(0.0, 1.0 - top_p)
+
+
 @dataclasses.dataclass
 class PrefixOutcome:
     """What a request with a cached prefix did with it (reported in meta_info)."""
@@ -59,8 +67,11 @@ class PrefixOutcome:
     cached_tokens: int
     action: str = "reused"  # "reused" | "re-selected" | "restored" (a dense request)
     why: Optional[str] = None
-    missing_mass: Optional[float] = None  # verify: mass the cache lacks / the selection drops
+    # verify: attention mass the cache lacks of this request's selection, mass the selection
+    # drops itself, and how much may be missing for a reuse (fractions of the request's mass)
+    missing_mass: Optional[float] = None
     dropped_mass: Optional[float] = None
+    tolerance: Optional[float] = None
 
     def as_dict(self) -> dict:
         out = {"policy": self.policy, "cached_tokens": self.cached_tokens, "action": self.action}
@@ -69,6 +80,7 @@ class PrefixOutcome:
         if self.missing_mass is not None:
             out["missing_mass"] = round(self.missing_mass, 6)
             out["dropped_mass"] = round(self.dropped_mass, 6)
+            out["tolerance"] = round(self.tolerance, 6)
         return out
 
 
@@ -171,7 +183,8 @@ class PrefixReuse:
             outcome = ctx.prefix_outcomes[b]
             if b in missing:
                 outcome.missing_mass, outcome.dropped_mass = missing[b], dropped[b]
-                if outcome.missing_mass <= outcome.dropped_mass:
+                outcome.tolerance = reuse_tolerance(ctx.plan.decisions[b].top_p)
+                if outcome.missing_mass <= outcome.tolerance:
                     outcome.why = "the cached survivors cover this request's selection"
                     continue
                 outcome.why = "the cached survivors miss attention mass this request selects"

@@ -140,14 +140,13 @@ def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scal
 class PrefixCoverage:
     """Per segment, as fractions of the attention mass the new request's queries pay its keys:
     `missing`, kept by the new selection but absent from the cached KV; `dropped`, left out by
-    the new selection itself. The cache covers the request when it misses no more than the
-    selection drops (`covered`): reusing it then loses no more than the method already does."""
+    the new selection itself. The cache covers the request when it misses at most `tolerance`
+    of the mass (prefix_reuse.py uses 1 - top-p: what a top-p selection itself lets go)."""
     missing: torch.Tensor  # [B] float
     dropped: torch.Tensor  # [B] float
 
-    @property
-    def covered(self) -> torch.Tensor:
-        return self.missing <= self.dropped
+    def covered(self, tolerance) -> torch.Tensor:
+        return self.missing <= tolerance
 
 
 def prefix_coverage(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
