@@ -134,9 +134,11 @@ class PrefixReuse:
         for b, d in enumerate(ctx.plan.decisions):
             cached = d.cached_len
             if d.restore_prefix:  # a dense request: back to every token, if any is missing
-                ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
+                outcome = ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
                 if ctx.prefix_valid[b][-1] >= cached:
-                    ctx.prefix_outcomes[b].why = "cached prefix holds every token"
+                    outcome.why = "cached prefix holds every token"
+                elif cached != ctx.fixed_lens[b]:
+                    outcome.why = "cached prefix not contiguous with this step's rows"
                 else:
                     candidates.append(b)
                 continue
