@@ -174,7 +174,7 @@ class PrefixReuse:
         parts = [torch.stack([self.checkpoint.all_valid(prefix_slots[b])
                               for b in candidates]).double()]
         if verifying:
-            coverage = self._verify(ctx, layer, q, verifying)
+            coverage = self._verify(ctx, layer, q, verifying, rows)
             parts += [coverage.missing.double(), coverage.dropped.double()]
         host = torch.cat(parts).tolist()
         has_checkpoint = host[:len(candidates)]
@@ -205,12 +205,10 @@ class PrefixReuse:
             out[b] = rejoin
         return out
 
-    def _verify(self, ctx, layer, q, verifying: List[int]):
+    def _verify(self, ctx, layer, q, verifying: List[int], rows: List[int]):
         """prefix_coverage for the verifying requests: their last queries, keys = cached prefix
         (stage 0: every token), parked rows of earlier chunks, this step's rows."""
         rt = self.runtime
-        fb = ctx.forward_batch
-        rows = rt.host_rows(fb)
         req_to_token = rt.req_to_token_pool.req_to_token
         starts = ctx.segment_starts()
         queries, query_pos, keys, key_pos, cached, qc, kc = [], [], [], [], [], [], []
@@ -219,7 +217,7 @@ class PrefixReuse:
             d = ctx.plan.decisions[b]
             n, start, fixed_len = ctx.lens[b], starts[b], ctx.fixed_lens[b]
             fixed = req_to_token[rows[b], :fixed_len].to(torch.int64)
-            own_q, own_q_pos = self._last_queries(ctx, b, layer, q, fixed)
+            own_q, own_q_pos = self._last_queries(ctx, b, start, layer, q, fixed)
             queries.append(own_q)
             query_pos.append(own_q_pos)
             keys += [fixed, ctx.out_cache_loc[start:start + n].to(torch.int64)]
@@ -238,12 +236,12 @@ class PrefixReuse:
         return prefix_coverage(cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id),
                                layer.scaling, rt.rule, torch.cat(cached), reduce)
 
-    def _last_queries(self, ctx, b: int, layer, q, fixed: torch.Tensor):
+    def _last_queries(self, ctx, b: int, start: int, layer, q, fixed: torch.Tensor):
         """Request b's last `--uniprefill-last-queries` queries at this layer: this step's rows,
         preceded where it is shorter by the parked chunks' last queries or the cached prefix's
         saved ones."""
         rt = self.runtime
-        n, start = ctx.lens[b], ctx.segment_starts()[b]
+        n = ctx.lens[b]
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
         own_q, own_pos = q[start:start + n], ctx.positions[start:start + n].to(torch.int64)
         num_q = min(rt.config.last_queries, fixed.numel() + n)
