@@ -10,7 +10,8 @@ from uniprefill_sglang.patches import (
     attention_backends,
     cuda_graphs,
     forward_batch,
-    kv_pool_size,
+    kv_allocator,
+    kv_pool,
     logits,
     metrics,
     model_runner,
@@ -21,7 +22,8 @@ from uniprefill_sglang.patches import (
 )
 
 _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, attention_backends,
-            scheduler, radix_cache, cuda_graphs, metrics, kv_pool_size)
+            scheduler, radix_cache, cuda_graphs, metrics, kv_pool,
+            kv_allocator)
 
 
 def register_all() -> None:

@@ -10,7 +10,8 @@
 Why: a prefill CUDA graph is captured for fixed token counts, while a batch that drops tokens
 changes its row count mid-forward (and its later layers read per-stage KV views planned at run
 time). Such a batch, and one whose requests reuse a sparse cached prefix, runs eagerly; batches
-with nothing to drop and no sparse KV keep the graph. Decode graphs need no bypass: the
+with nothing to drop and no sparse KV keep the graph, under the shared KV layout only: under the
+staged layout every layer after the first drop reads its own pool through those views. Decode graphs need no bypass: the
 attention backends capture them with one view per stage (patches/attention_backends.py).
 """
 
@@ -24,6 +25,8 @@ def needs_eager_prefill(forward_batch) -> bool:
     runtime, ctx = get_runtime(), current()
     if runtime is None or not runtime.has_schedule or ctx is None or not ctx.is_extend:
         return False
+    if runtime.slots.staged:
+        return True  # the later stages' KV is read through views planned at run time
     plan = ctx.plan
     if plan is not None and any(d.enabled or getattr(d, "park", False) for d in plan.decisions):
         return True  # a drop (or chunked-prefill parking) may happen in this forward

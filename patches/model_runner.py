@@ -48,11 +48,28 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     if drop_layers and not model_integration.install(model_runner.model, runtime):
         log_fallback_once(f"model {type(model_runner.model).__name__} has no decoder-layer list")
         runtime.stages = LayerStages((), num_layers)
+    if runtime.slots.staged:
+        _check_staged_layout(model_runner, runtime)
     if not runtime.has_schedule and not unsupported:
         log_fallback_once(f"architecture {architectures} without a drop schedule")
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
     set_runtime(runtime)
     return result
+
+
+def _check_staged_layout(model_runner, runtime):
+    """Under the staged KV layout the layers after the first drop can only be read through the
+    plugin's per-stage views: refuse at start-up what would read them another way."""
+    from uniprefill_sglang.backends import staged_layout_unsupported
+
+    why = None
+    if not runtime.has_schedule:
+        why = "the model runs without a drop schedule"
+    else:
+        why = staged_layout_unsupported(model_runner.attn_backend)
+    if why:
+        raise RuntimeError(f"UniPrefill: the staged KV layout cannot serve this model: {why}; "
+                           "start with --uniprefill-kv-layout shared")
 
 
 def _checkpoint_shape(model_runner, config):

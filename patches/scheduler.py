@@ -2,7 +2,9 @@
 
 * `get_internal_state` (AFTER): observability. `Engine.get_server_info()["internal_states"][0]
   ["uniprefill"]` reports the KV pool's accounting (free, evictable and protected slots, the
-  request pool), so a test or an operator can check that dropping leaks no KV slot.
+  request pool, and per stage pool its size, free slots and bytes per slot), so a test or an
+  operator can check that dropping leaks no KV slot; when idle under the staged layout, also
+  the stage pools' invariant check (`kv_pool_problems`, empty when sound).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 * `SchedulerInvariantChecker._get_total_uncached_sizes` (AFTER): SGLang's busy-time KV check
   (`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`) counts each running request's slots past its
@@ -36,8 +38,19 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
         "private_prefix_slots": runtime.prefix_reuse.private.held,
+        "kv_layout": "staged" if runtime.slots.staged else "shared",
+        "kv_pools": runtime.kv_pool_report(scheduler.token_to_kv_pool_allocator),
     }
+    if state["uniprefill"]["idle"] and runtime.slots.staged:
+        state["uniprefill"]["kv_pool_problems"] = runtime.slots.pools.check(
+            _free_full_slots(scheduler.token_to_kv_pool_allocator))
     return result
+
+
+def _free_full_slots(allocator):
+    import torch
+
+    return torch.cat([allocator.free_pages, allocator.release_pages])
 
 
 def _forget_aborted_chunk(original, scheduler, *args, **kwargs):

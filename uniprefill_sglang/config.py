@@ -42,6 +42,10 @@ DEFAULT_MAX_PARKED_TOKENS = 131072
 # What a request that hits a cached prefix does with the prefix's selection (prefix_reuse.py).
 PREFIX_POLICIES = ("verify", "reselect", "reuse-sparse", "dense-prefix")
 DEFAULT_PREFIX_POLICY = "verify"
+# KV layouts (stage_pools.py): "staged" gives the layers after each drop a pool of their own,
+# holding slots for the tokens that reach them; "shared" gives every layer a slot per token.
+KV_LAYOUTS = ("staged", "shared")
+DEFAULT_KV_LAYOUT = "staged"
 
 
 # Profiles written by `python -m uniprefill_sglang.calibrate` for the models we calibrated.
@@ -156,6 +160,10 @@ class UniPrefillConfig:
     # The profile that supplied the knobs no flag set (None: none).
     profile: Optional[str] = None
     prefix_policy: str = DEFAULT_PREFIX_POLICY
+    kv_layout: str = DEFAULT_KV_LAYOUT
+    # Per drop stage, the fraction of the full KV pool its pool holds (the last repeats);
+    # None: from the fixed keep ratios (stage_pools.default_stage_fractions).
+    stage_kv_fraction: Optional[tuple[float, ...]] = None
 
     @property
     def min_tokens_to_drop(self) -> int:
@@ -180,6 +188,8 @@ def build_config(
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
     profile: Optional[Profile] = None,
     prefix_policy: str = DEFAULT_PREFIX_POLICY,
+    kv_layout: str = DEFAULT_KV_LAYOUT,
+    stage_kv_fraction=None,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -226,6 +236,10 @@ def build_config(
         raise UniPrefillConfigError(
             f"--uniprefill-prefix-policy must be one of {', '.join(PREFIX_POLICIES)}, "
             f"got {prefix_policy!r}")
+    if kv_layout not in KV_LAYOUTS:
+        raise UniPrefillConfigError(
+            f"--uniprefill-kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    fractions = parse_keep_ratios(stage_kv_fraction, flag="--uniprefill-stage-kv-fraction")
     layers = parse_drop_layers(drop_layers)
     if layers is not None:
         if any(l < 0 for l in layers):
@@ -247,6 +261,8 @@ def build_config(
         max_parked_tokens=int(max_parked_tokens),
         profile=None if profile is None else profile.path,
         prefix_policy=prefix_policy,
+        kv_layout=kv_layout,
+        stage_kv_fraction=fractions,
     )
 
 

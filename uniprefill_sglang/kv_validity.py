@@ -43,14 +43,34 @@ class LayerStages:
 
 
 class SlotStages:
-    """Per-slot survival stage beside the token-to-KV pool."""
+    """Per-slot survival stage beside the token-to-KV pool, and where each stage keeps a slot's
+    KV: under the staged layout (stage_pools.py, `pools`) the layers after a drop address their
+    own smaller pools, so every view hands the attention kernels stage slots; under the shared
+    layout (`pools` None) a slot is the same index in every layer."""
 
-    def __init__(self, num_slots: int, num_drops: int, device):
+    def __init__(self, num_slots: int, num_drops: int, device, pools=None):
         if num_drops > 126:
             raise ValueError("at most 126 drop layers fit the int8 stage map")
         self.full = num_drops
         self.slot_stage = torch.full((num_slots,), num_drops, dtype=torch.int8, device=device)
         self.stages_after_first = torch.arange(1, num_drops + 1, dtype=torch.int8, device=device)
+        self.pools = pools
+
+    @property
+    def staged(self) -> bool:
+        return self.pools is not None
+
+    def pool_slots(self, slots: torch.Tensor, stage: int) -> torch.Tensor:
+        """Where the layers of `stage` keep the KV of `slots`."""
+        if self.pools is None or stage == 0:
+            return slots
+        return self.pools.stage_slots(slots, stage)
+
+    def pool_slots_after_first(self, slots: torch.Tensor) -> torch.Tensor:
+        """[D, n]: row k is where stage k + 1 keeps the KV of `slots`."""
+        if self.pools is None:
+            return slots.unsqueeze(0).expand(self.full, slots.shape[0])
+        return self.pools.maps[:, slots.to(torch.int64)].to(slots.dtype)
 
     def mark_written(self, slots: torch.Tensor) -> None:
         """Slots a forward is about to write hold full KV until a drop says otherwise."""
@@ -59,9 +79,14 @@ class SlotStages:
         if slots is not None and slots.numel():
             self.slot_stage.index_fill_(0, slots.to(torch.int64), self.full)
 
-    def mark_dropped(self, slots: torch.Tensor, stage: int) -> None:
+    def mark_dropped(self, slots: torch.Tensor, stage: int, release: bool = True) -> None:
+        """Slots whose KV the layers after `stage` will not hold. `release`: their slots in
+        those stages' pools go back now; a chunk parked at the first drop keeps them for its
+        rejoining."""
         if slots.numel():
             self.slot_stage.index_fill_(0, slots.to(torch.int64), stage)
+            if release and self.pools is not None:
+                self.pools.release(slots, stage + 1)
 
     def valid_mask(self, slots: torch.Tensor, stage: int) -> torch.Tensor:
         return self.slot_stage[slots] >= stage
@@ -239,7 +264,9 @@ def compact(slots: torch.Tensor, bounds: torch.Tensor, keep: torch.Tensor,
             dtype: Optional[torch.dtype] = None):
     """Keep `slots[keep]`, segment by segment, without a host sync and without atomics.
 
-    `keep` is [n] (one view) or [V, n] (V views of the same slots, e.g. one per stage).
+    `keep` is [n] (one view) or [V, n] (V views of the same positions, e.g. one per stage);
+    `slots` is [n], or [V, n] when each view names the positions by its own slots (the stage
+    pools' slots).
     Returns (counts [V, bs] int32, indptr [V, bs + 1] int32, indices [V, >= n + 1]), without
     the V dimension for a 1-D `keep`. Kept entries land at their compacted position; the others
     are scattered to the last element of their row (a dump slot), so `out` needs n + 1 columns.
@@ -287,11 +314,14 @@ def decode_stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, 
     keep = st.unsqueeze(0) >= slot_stages.stages_after_first.unsqueeze(1)
     if raw_bs < bs:
         keep |= (seq.row >= raw_bs).unsqueeze(0)
-    return compact(seq.slots, seq.bounds, keep, out=outs, indptr_out=indptr_outs, dtype=dtype)
+    return compact(slot_stages.pool_slots_after_first(seq.slots), seq.bounds, keep, out=outs,
+                   indptr_out=indptr_outs, dtype=dtype)
 
 
 def extend_stage_slots(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
                        n: int, stage: int):
-    """Extend at `stage`: every slot of each request's sequence (SeqSlots), and its validity."""
+    """Extend at `stage`: every position of each request's sequence (SeqSlots, named by the
+    stage pool's slots) and whether the stage holds its KV."""
     seq = gather_seq_slots(req_to_token, req_pool_indices, seq_lens, n)
-    return seq, slot_stages.slot_stage[seq.slots.to(torch.int64)] >= stage
+    valid = slot_stages.slot_stage[seq.slots.to(torch.int64)] >= stage
+    return seq._replace(slots=slot_stages.pool_slots(seq.slots, stage)), valid

@@ -10,7 +10,7 @@ a parked chunk's rows do (parking.py). Two things of it are needed there:
   candidates (a follow-up question shorter than `--uniprefill-last-queries` borrows the
   document's last queries, as the uncached prompt would use them).
 For Llama-3.1-8B in bf16 that is 8 + 8 KiB a token beside its 128 KiB of KV (per TP rank: the
-whole residual, its share of the query heads); patches/kv_pool_size.py counts it when SGLang
+whole residual, its share of the query heads); patches/kv_pool.py counts it when SGLang
 sizes the pool.
 
 Every eager forward saves the rows of the tokens it writes (model_integration.py); a slot's

@@ -272,7 +272,7 @@ class PrefixReuse:
             for buf in (pool.get_key_buffer(l), pool.get_value_buffer(l)):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
         ctx.moved_prefixes[b] = (row, shared.clone())
-        rt.slots.mark_dropped(dst, 0)
+        rt.slots.mark_dropped(dst, 0, release=False)  # it rejoins at the first drop
         self.checkpoint.copy(src, dst)
         req_to_token = rt.req_to_token_pool.req_to_token
         req_to_token[row, :count] = dst.to(req_to_token.dtype)

@@ -24,6 +24,7 @@ from uniprefill_sglang.prefix_reuse import PrefixReuse
 from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
 from uniprefill_sglang.request_plan import is_prefill_mode
 from uniprefill_sglang.selection import DropCandidates, SelectionRule, select_survivors
+from uniprefill_sglang.stage_pools import StagePools
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class UniPrefillRuntime:
         self.check_kv_lens = environ.CHECK_KV_LENS.get()
         self.test_fault = environ.TEST_FAULT.get()
         num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
-        self.slots = SlotStages(num_slots, stages.num_drops, device)
+        self.slots = SlotStages(num_slots, stages.num_drops, device,
+                                _stage_pools(stages, token_to_kv_pool, allocator, device))
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
         self.parking = ParkingLot(config.max_parked_tokens)
@@ -110,7 +112,7 @@ class UniPrefillRuntime:
     def end_forward(self, ctx: DropContext) -> None:
         set_current(None)
         for slots in ctx.ghost_slots:  # computed past the first drop on a partial view
-            self.slots.mark_dropped(slots, 0)
+            self.slots.mark_dropped(slots, 0, release=False)  # parked: it rejoins later
         for rid in ctx.finished_parking:
             self.parking.forget(rid)
         if ctx.is_extend and ctx.plan is not None and len(ctx.kept) > 1:
@@ -154,6 +156,17 @@ class UniPrefillRuntime:
                 logger.error("UniPrefill: inconsistent KV gaps for request row %d; re-reading "
                              "them from the device", row)
 
+    def kv_pool_report(self, allocator) -> list:
+        """Per stage (0 = the full pool): layers, slots, free slots, K+V bytes per slot."""
+        free = allocator.available_size()
+        if self.slots.staged:
+            return self.slots.pools.report(free)
+        pool = self.token_to_kv_pool
+        per_slot = sum(k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
+                       for k, v in zip(pool.k_buffer, pool.v_buffer))
+        return [dict(stage=0, layers=len(pool.k_buffer), size=int(allocator.size), free=int(free),
+                     bytes_per_slot=int(per_slot))]
+
     @staticmethod
     def host_rows(fb) -> list:
         """The batch's req-pool rows on the host (attached by the ForwardBatch hook)."""
@@ -188,7 +201,10 @@ class UniPrefillRuntime:
             self._park(ctx, b, seg, q, keep, stage)
         ctx.kept.append(list(ctx.lens))
         if joining.count:  # surviving parked rows get the later layers' KV in this forward
-            self.slots.mark_written(torch.cat(joining.slots)[keep[sum(rows_per_request):]])
+            joined, joined_kept = torch.cat(joining.slots), keep[sum(rows_per_request):]
+            self.slots.mark_written(joined[joined_kept])
+            if self.slots.staged:  # the others' later-stage slots were kept while parked
+                self.slots.pools.release(joined[~joined_kept])
         ctx.shrink(keep, joining, rows_per_request, park_sink=self.parking.append)
         if self.report_kept_positions:
             ctx.kept_digest.append(ctx.position_digest())
@@ -276,6 +292,7 @@ class UniPrefillRuntime:
 
     def _select(self, ctx, layer, cands, selecting, keep, total, stage) -> None:
         reduce = self.tp_agreement.reduce_scores if self.tp_agreement is not None else None
+        cands.key_slots = self.slots.pool_slots(cands.key_slots, stage)
         keep_idx, counts = select_survivors(
             cands, self.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling,
             self.rule, reduce)
@@ -302,7 +319,7 @@ class UniPrefillRuntime:
         ctx.to_park.append((rid, rows))
         ctx.parked_now.append(b)
         keep.index_fill_(0, rows[:-1], False)
-        self.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage)
+        self.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
         ctx.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
         self.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
         ctx.sparse[b] = True
@@ -314,6 +331,34 @@ class UniPrefillRuntime:
             fb.req_pool_indices, fb.seq_lens,
             [p + n for p, n in zip(_prefix_lens(fb), fb.extend_seq_lens_cpu)],
             [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)], stage)
+
+
+def _stage_pools(stages: LayerStages, pool, allocator, device):
+    """The stage pools when the KV pool was built with the staged layout (patches/kv_pool.py),
+    wired to the allocator (patches/kv_allocator.py) and the pool's writes; else None."""
+    layout = getattr(pool, "uniprefill_layout", None)
+    if layout is None:
+        return None
+    if layout.stages.drop_layers != stages.drop_layers:
+        raise UniPrefillError(
+            f"UniPrefill: the KV pool was laid out for drop layers {list(layout.stages.drop_layers)}"
+            f" but the model runs {list(stages.drop_layers)}; start with "
+            "--uniprefill-kv-layout shared")
+    if allocator is None:
+        raise UniPrefillError("UniPrefill: the staged KV layout needs the KV allocator")
+    per_layer = [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
+                 for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    bytes_per_slot = [0] * (stages.num_drops + 1)
+    for layer, size in enumerate(per_layer):
+        bytes_per_slot[stages.stage(layer)] += size
+    pools = StagePools(layout, pool.size, pool.uniprefill_stage_sizes, bytes_per_slot, device)
+    pool.uniprefill_stage_maps = pools.maps
+    allocator.uniprefill_stage_pools = pools
+    logger.info("UniPrefill staged KV layout: stage pools of %s slots (full pool %d), "
+                "%.1f GiB of KV in all", pools.sizes, pool.size,
+                sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                    for k, v in zip(pool.k_buffer, pool.v_buffer)) / 2**30)
+    return pools
 
 
 def _prefix_lens(fb) -> list:

@@ -17,10 +17,12 @@ from sglang.srt.server_args import ServerArgs
 
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_LAYOUT,
     DEFAULT_LAST_QUERIES,
     DEFAULT_MAX_PARKED_TOKENS,
     DEFAULT_PREFIX_POLICY,
     DEFAULT_SINK_TOKENS,
+    KV_LAYOUTS,
     PREFIX_POLICIES,
     SUPPORTED_ATTENTION_BACKENDS,
     UniPrefillConfig,
@@ -108,6 +110,21 @@ class UniPrefillServerArgs(ServerArgs):
                  "layer, counted when the KV pool is sized.",
                  choices=list(PREFIX_POLICIES)),
     ] = DEFAULT_PREFIX_POLICY
+    uniprefill_kv_layout: A[
+        str,
+        Arg(help="UniPrefill KV memory: 'staged' (default) gives the layers after each drop layer "
+                 "a KV pool of their own that holds slots only for the tokens reaching them, so "
+                 "dropped tokens give their memory back; 'shared' keeps one slot per token in "
+                 "every layer.", choices=list(KV_LAYOUTS)),
+    ] = DEFAULT_KV_LAYOUT
+    uniprefill_stage_kv_fraction: A[
+        Optional[str],
+        Arg(help="UniPrefill staged KV layout: the size of each drop stage's KV pool as a "
+                 "fraction of the full pool, in (0, 1]; a comma-separated list gives one per "
+                 "stage (the last repeats). Unset: the cumulative --uniprefill-keep-ratio plus "
+                 "0.02 headroom, or 1.0 with top-p selection. A request waits when a pool is "
+                 "full, so fractions below the real keep profile cost throughput, not answers."),
+    ] = None
 
     def __post_init__(self):
         if self.enable_uniprefill:
@@ -145,6 +162,8 @@ class UniPrefillServerArgs(ServerArgs):
             max_parked_tokens=self.uniprefill_max_parked_tokens,
             profile=profile,
             prefix_policy=self.uniprefill_prefix_policy,
+            kv_layout=self.uniprefill_kv_layout,
+            stage_kv_fraction=self.uniprefill_stage_kv_fraction,
         )
 
     def _check_uniprefill_modes(self):

@@ -29,11 +29,20 @@ def extend_needs_view(ctx, runtime, layer) -> bool:
         return False
     if runtime.stages.stage(layer.layer_id) == 0:
         return False  # stage 0 holds every token; compaction only starts after the first drop
-    return ctx.compacted or any(ctx.sparse)
+    # Under the staged layout a later stage's KV lives in its own pool: always a view.
+    return ctx.compacted or any(ctx.sparse) or runtime.slots.staged
 
 
 def decode_has_sparse(ctx) -> bool:
     return ctx is not None and not ctx.is_extend and bool(ctx.sparse) and any(ctx.sparse)
+
+
+def decode_needs_views(ctx, runtime) -> bool:
+    """Does a decode step need per-stage views: some request lacks KV in a later stage, or the
+    later stages keep their KV in pools of their own (staged layout)?"""
+    if ctx is None or ctx.is_extend or runtime is None:
+        return False
+    return decode_has_sparse(ctx) or runtime.slots.staged
 
 
 def stages_after_first(runtime) -> List[int]:

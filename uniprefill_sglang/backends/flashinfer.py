@@ -1,7 +1,8 @@
 """FlashInfer backend adapter: attention over per-stage KV views.
 
 A layer of stage s may attend, for request b, to the slots of b's sequence whose KV it holds
-(`slot_stage >= s`) in position order; after a drop the surviving new tokens are exactly the
+(`slot_stage >= s`) in position order, named by the stage pool's slots under the staged KV
+layout (stage_pools.py); after a drop the surviving new tokens are exactly the
 last `ctx.lens[b]` entries of that list (their slots are FULL, the dropped ones are below s, and
 so are the rows that chunked prefill parked and did not keep). So plain causal paged attention
 (query i of qo_len sees kv entries up to kv_len - qo_len + i) over that compacted list is exact.
@@ -15,10 +16,11 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
   and to the stage's valid prefix, if any, through a paged wrapper, merged by log-sum-exp; where
   upstream does not use its ragged wrapper, one causal paged wrapper runs over the whole
   compacted list. Those layers write KV for the survivors only (`ctx.out_cache_loc`). Stage 0
-  and dense batches run upstream code.
-* Decode: for a batch with a sparse request, one decode wrapper per stage > 0 is planned once
-  per step; `_get_wrapper_idx` returns the layer's stage while such a metadata is active. Dense
-  batches keep upstream's single wrapper.
+  runs upstream code, and so do dense batches under the shared layout.
+* Decode: for a batch with a sparse request (or any batch under the staged layout), one decode
+  wrapper per stage > 0 is planned once per step; `_get_wrapper_idx` returns the layer's stage
+  while such a metadata is active. Dense batches under the shared layout keep upstream's
+  single wrapper.
 * Decode CUDA graphs: every captured batch size gets one wrapper per stage, with per-stage
   static indptr / indices buffers (their int workspaces shared across batch sizes, since one
   graph replays at a time, unless the KV split is off: see `create_decode_wrappers`). On replay
@@ -39,6 +41,7 @@ import torch
 from uniprefill_sglang.backends.common import (
     active_runtime,
     decode_has_sparse,
+    decode_needs_views,
     decode_stage_kv_lens,
     extend_needs_view,
     extend_view_slots,
@@ -231,7 +234,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
-            or not decode_has_sparse(ctx) or not _supported(backend)):
+            or not decode_needs_views(ctx, runtime) or not _supported(backend)):
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
     from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata
@@ -363,7 +366,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     else:
         # No request has sparse KV: every stage sees the whole sequences.
         seq = gather_seq_slots(backend.req_to_token_pool.req_to_token, rpi, seq_lens, n)
-        st.graph_indices[:, :n].copy_(seq.slots.unsqueeze(0).expand(len(stages), n))
+        st.graph_indices[:, :n].copy_(runtime.slots.pool_slots_after_first(seq.slots))
         st.graph_indptr[:, : bs + 1].copy_(seq.bounds.unsqueeze(0).expand(len(stages), bs + 1))
         host_indptrs = [_host_indptr(host_seq_lens(fb, bs))] * len(stages)
     pos_args, kw = _decode_plan_args(backend)

@@ -1,13 +1,15 @@
 """torch_native backend adapter: per-request SDPA over the KV a layer's stage holds.
 
-Requests whose KV is complete at this layer go through the backend's own per-request SDPA, so
-dense requests get bit-identical results whether or not a neighbour in the batch dropped.
+Requests whose KV is complete at this layer go through the backend's own per-request SDPA (over
+the stage pool's slots under the staged KV layout), so dense requests get bit-identical results
+whether or not a neighbour in the batch dropped, and whichever the layout.
 Requests with missing KV attend to their valid slots with an explicit causal mask on the
 original positions.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from uniprefill_sglang.context import current
@@ -19,7 +21,16 @@ def _sparse_view_needed(ctx, runtime, layer) -> bool:
         return False
     if layer.is_cross_attention or runtime.stages.stage(layer.layer_id) == 0:
         return ctx.compacted  # stage 0 holds every token; only compaction matters
-    return ctx.compacted or any(ctx.sparse)
+    return ctx.compacted or any(ctx.sparse) or runtime.slots.staged
+
+
+def _request_slots(runtime, req_to_token, row: int, seq_len: int, stage: int):
+    """(req_to_token, req_pool_indices) for upstream's per-request SDPA over one request's
+    whole sequence, addressed in `stage`'s pool (a one-row table under the staged layout)."""
+    if stage == 0 or not runtime.slots.staged:
+        return req_to_token, None
+    slots = runtime.slots.pool_slots(req_to_token[row, :seq_len], stage)
+    return slots.unsqueeze(0), torch.zeros(1, dtype=torch.int64, device=slots.device)
 
 
 def _write_kv(backend, layer, loc, k, v, save_kv_cache):
@@ -63,13 +74,15 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
             continue
         if ctx.sparse[b] and stage > 0:
             slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
+            slots = runtime.slots.pool_slots(slots, stage)
             qpos = ctx.positions[s : s + n]
             mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
             o_[s : s + n] = _masked_sdpa(q_[s : s + n], k_cache[slots], v_cache[slots], mask, layer)
         else:
+            table, row = _request_slots(runtime, req_to_token, rows[b], seq_lens[b], stage)
             backend._run_sdpa_forward_extend(
-                q_[s : s + n], o_[s : s + n], k_cache, v_cache, req_to_token,
-                fb.req_pool_indices[b : b + 1], fb.seq_lens[b : b + 1],
+                q_[s : s + n], o_[s : s + n], k_cache, v_cache, table,
+                fb.req_pool_indices[b : b + 1] if row is None else row, fb.seq_lens[b : b + 1],
                 fb.extend_prefix_lens[b : b + 1], fb.extend_seq_lens[b : b + 1],
                 scaling=layer.scaling,
                 enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
@@ -97,11 +110,13 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     for b in range(len(rows)):
         if ctx.sparse[b]:
             slots, _ = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
+            slots = runtime.slots.pool_slots(slots, stage)
             o_[b : b + 1] = _masked_sdpa(q_[b : b + 1], k_cache[slots], v_cache[slots], None, layer)
         else:
+            table, row = _request_slots(runtime, req_to_token, rows[b], seq_lens[b], stage)
             backend._run_sdpa_forward_decode(
-                q_[b : b + 1], o_[b : b + 1], k_cache, v_cache, req_to_token,
-                fb.req_pool_indices[b : b + 1], fb.seq_lens[b : b + 1],
+                q_[b : b + 1], o_[b : b + 1], k_cache, v_cache, table,
+                fb.req_pool_indices[b : b + 1] if row is None else row, fb.seq_lens[b : b + 1],
                 scaling=layer.scaling,
                 enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
                 causal=False,

@@ -9,7 +9,8 @@ invariant):
   stage before its first current row (`ctx.fixed_lens`; chunked prefill's rejoining parked rows
   are current rows). Built once per stage per forward (cached on the drop context); the layer
   writes KV for the survivors only.
-* Decode: for a batch holding a request with sparse KV, per-stage kv_indptr / kv_indices /
+* Decode: for a batch holding a request with sparse KV (any batch under the staged KV layout,
+  where later stages address their own pools), per-stage kv_indptr / kv_indices /
   num_kv_splits; `forward_decode` swaps them into the metadata for the layers of that stage.
 * Decode CUDA graphs: per-stage static buffers captured into the graph and refilled on replay
   outside it (a copy of the dense view for dense batches, a compaction otherwise).
@@ -24,6 +25,7 @@ import torch
 from uniprefill_sglang.backends.common import (
     active_runtime,
     decode_has_sparse,
+    decode_needs_views,
     extend_needs_view,
     prefix_view,
     seq_lens_sum,
@@ -136,7 +138,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
-            or not decode_has_sparse(ctx) or not _supported(backend)):
+            or not decode_needs_views(ctx, runtime) or not _supported(backend)):
         return result
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
@@ -194,7 +196,8 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         # Every stage sees the whole sequences: copy upstream's dense view.
         n = seq_lens_sum(fb, bs)
         st.graph_indptr[:, : bs + 1].copy_(backend.kv_indptr[: bs + 1].expand(len(stages), -1))
-        st.graph_indices[:, :n].copy_(backend.cuda_graph_kv_indices[:n].expand(len(stages), -1))
+        st.graph_indices[:, :n].copy_(
+            runtime.slots.pool_slots_after_first(backend.cuda_graph_kv_indices[:n]))
         st.graph_splits[:, :bs].copy_(backend.cuda_graph_num_kv_splits[:bs].expand(len(stages), -1))
     if in_capture:
         backend.forward_metadata.uniprefill_stages = {

@@ -1,0 +1,123 @@
+"""Hooks that keep the staged KV layout's stage pools (uniprefill_sglang/stage_pools.py) in step
+with SGLang's allocator and scheduler. Each is inert unless the allocator carries stage pools
+(`allocator.uniprefill_stage_pools`, set when the runtime is built on a staged pool).
+
+* `sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc` (AROUND): full slots are
+  handed out only when every stage pool can give each of them a slot too (a new token may
+  survive every drop), and get those slots at once.
+* `...TokenToKVPoolAllocator.free` (AROUND): a freed full slot (request finished, aborted or
+  retracted, radix-cache eviction, a duplicate the tree already holds) frees its stage slots.
+* `...TokenToKVPoolAllocator.clear` (AFTER): `flush_cache` empties the stage pools too.
+* `sglang.srt.mem_cache.common.evict_from_tree_cache` (AROUND): SGLang evicts until the full
+  pool has room; evicted tokens that had been dropped free no stage slot, so keep evicting while
+  some stage pool lacks room and the tree has something to give.
+* `sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem` (AROUND): the next decode
+  step needs a slot per request in every stage pool; when one is short SGLang retracts, as it
+  does when the full pool is.
+* `sglang.srt.managers.schedule_policy.PrefillAdder.__init__` (AFTER): admission budgets with
+  the full pool's free plus evictable slots; take off what the tightest stage pool cannot match
+  (`StagePools.shortfall`), so a request admitted always finds its slots: it waits instead.
+* `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill` (BEFORE): when the waiting
+  requests do not fit a stage pool, evict from the radix cache first (admission alone would
+  only wait, and cached tokens would never make room).
+"""
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+_ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+
+
+def _pools(allocator):
+    return getattr(allocator, "uniprefill_stage_pools", None)
+
+
+def _alloc(original, allocator, need_size, *args, **kwargs):
+    pools = _pools(allocator)
+    if pools is None:
+        return original(allocator, need_size, *args, **kwargs)
+    if pools.available() < need_size:
+        return None
+    slots = original(allocator, need_size, *args, **kwargs)
+    if slots is not None:
+        pools.assign(slots)
+    return slots
+
+
+def _free(original, allocator, free_index, *args, **kwargs):
+    pools = _pools(allocator)
+    if pools is not None and free_index is not None:
+        pools.release(free_index)
+    return original(allocator, free_index, *args, **kwargs)
+
+
+def _clear(result, allocator, *args, **kwargs):
+    pools = _pools(allocator)
+    if pools is not None:
+        pools.clear()
+    return result
+
+
+def _evict_for_stages(original, tree_cache, num_tokens, *args, **kwargs):
+    result = original(tree_cache, num_tokens, *args, **kwargs)
+    if tree_cache is None or tree_cache.is_chunk_cache():
+        return result
+    pools = _pools(tree_cache.token_to_kv_pool_allocator)
+    if pools is None:
+        return result
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    while pools.available() < num_tokens:
+        before = tree_cache.evictable_size()
+        if before == 0:
+            break
+        tree_cache.evict(EvictParams(num_tokens=num_tokens - pools.available()))
+        if tree_cache.evictable_size() >= before:
+            break
+    return result
+
+
+def _check_decode_mem(original, batch, selected_indices=None, *args, **kwargs):
+    fits = original(batch, selected_indices, *args, **kwargs)
+    pools = _pools(batch.token_to_kv_pool_allocator)
+    if not fits or pools is None:
+        return fits
+    return pools.available() >= batch.new_tokens_required_next_decode(selected_indices)
+
+
+def _budget_for_stages(result, adder, *args, **kwargs):
+    allocator = adder.token_to_kv_pool_allocator
+    pools = _pools(allocator)
+    if pools is None or adder.tree_cache is None:
+        return result
+    available = allocator.available_size()
+    shortfall = pools.shortfall(available, allocator.size - available,
+                                adder.tree_cache.evictable_size())
+    adder.rem_total_token_offset += shortfall
+    adder.cur_rem_token_offset += shortfall
+    return result
+
+
+def _evict_for_waiting(scheduler, *args, **kwargs):
+    pools = _pools(scheduler.token_to_kv_pool_allocator)
+    if pools is None or not scheduler.waiting_queue or scheduler.tree_cache.is_chunk_cache():
+        return
+    need = max(len(req.origin_input_ids) for req in scheduler.waiting_queue[:8])
+    need = min(need, min(pools.sizes))
+    if pools.available() < need:
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        evict_from_tree_cache(scheduler.tree_cache, need)
+
+
+def register() -> None:
+    HookRegistry.register(f"{_ALLOCATOR}.alloc", _alloc, HookType.AROUND)
+    HookRegistry.register(f"{_ALLOCATOR}.free", _free, HookType.AROUND)
+    HookRegistry.register(f"{_ALLOCATOR}.clear", _clear, HookType.AFTER)
+    HookRegistry.register("sglang.srt.mem_cache.common.evict_from_tree_cache",
+                          _evict_for_stages, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+                          _check_decode_mem, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
+                          _budget_for_stages, HookType.AFTER)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+                          _evict_for_waiting, HookType.BEFORE)
