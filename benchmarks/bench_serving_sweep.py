@@ -94,16 +94,23 @@ class Server:
         self.log.close()
 
 
+def bench_serving_command(url: str, model: str, length: int, output_len: int, num_prompts: int,
+                          conc: int, seed: int, out_file: Path, extra: tuple = ()) -> list:
+    """`sglang.bench_serving` on `num_prompts` random-ids prompts of exactly `length` tokens."""
+    return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+            "--base-url", url, "--dataset-name", "random-ids", "--tokenize-prompt",
+            "--tokenizer", model, "--model", model,
+            "--random-input-len", str(length), "--random-output-len", str(output_len),
+            "--random-range-ratio", "1", "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(conc), "--request-rate", "inf", "--disable-tqdm",
+            "--seed", str(seed), "--output-file", str(out_file), *extra]
+
+
 def run_bench(server: Server, model: str, length: int, conc: int, args, out_dir: Path) -> dict:
     out_file = out_dir / f"bench_{server.name}_{length}_{conc}.jsonl"
     num_prompts = max(4, 2 * conc)
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-           "--base-url", server.url, "--dataset-name", "random-ids", "--tokenize-prompt",
-           "--tokenizer", model, "--model", model,
-           "--random-input-len", str(length), "--random-output-len", str(args.output_len),
-           "--random-range-ratio", "1", "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(conc), "--request-rate", "inf", "--disable-tqdm",
-           "--seed", str(length + conc), "--output-file", str(out_file)]
+    cmd = bench_serving_command(server.url, model, length, args.output_len, num_prompts, conc,
+                                length + conc, out_file)
     before = server.uniprefill_state()
     with open(out_dir / f"bench_{server.name}.log", "a") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True,
