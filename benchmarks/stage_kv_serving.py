@@ -95,10 +95,11 @@ MODES = ("dense", "shared", "staged")
 DEFAULT_MODEL = "benchmarks/models/llama-3.1-8b"
 BENCH_METRICS = METRICS + ("total_input_tokens", "total_output_tokens", "concurrency",
                            "max_concurrent_requests")
-# Settings that make two invocations' numbers comparable; a results file holds one set.
-SETUP_KEYS = ("model", "load_format", "input_len", "output_len", "prompts_per_concurrency",
-              "keep_ratio", "prefix_policy", "attention_backend", "mem_fraction_static",
-              "context_length", "chunked_prefill_size", "max_running_requests",
+# Settings that make two invocations' numbers comparable; a results file holds one set (the
+# prompts per point may differ: each row records its own).
+SETUP_KEYS = ("model", "load_format", "input_len", "output_len", "keep_ratio", "prefix_policy",
+              "attention_backend", "mem_fraction_static", "context_length",
+              "chunked_prefill_size", "max_running_requests",
               "cuda_graph_max_bs_decode", "prefill_cuda_graph", "extra_server_args", "cpu")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4,
                "fp8_e4m3": 1, "fp8_e5m2": 1}
