@@ -1,0 +1,128 @@
+"""The staged KV layout (stage_pools.py) on the real SmolLM2 and SGLang's CPU engine.
+
+The same workload runs on the shared layout (every layer a slot per token) and on the staged
+layout with a stage pool too small for the concurrent requests' prompts (the scheduler must
+wait and evict, never crash): radix cache on, chunked prefill at 512 with parking, a cached
+document asked twice, eight long requests at once, an abort mid-prefill. Outputs must be
+identical, the pools sound at every idle point (`kv_pool_problems`) and back to their full
+size after a flush; the host KV lengths are checked against the device at every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import time
+
+import pytest
+
+pytestmark = pytest.mark.engine
+os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
+
+CONTEXT = 4096
+COMMON = dict(enable_uniprefill=True, uniprefill_keep_ratio="0.5", chunked_prefill_size=512,
+              max_prefill_tokens=512, context_length=CONTEXT)
+STAGE_FRACTION = 0.13  # of the 32K-slot full pool: 4260 slots, not room for two prompts
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
+LINGER = {"temperature": 0.0, "max_new_tokens": 48}
+
+
+def _ids(rng, n):
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _state(engine):
+    return engine.get_server_info()["internal_states"][0]["uniprefill"]
+
+
+def _wait_idle(engine):
+    deadline = time.monotonic() + 60
+    while True:
+        state = _state(engine)
+        if state["idle"]:
+            return state
+        assert time.monotonic() < deadline, "the engine never became idle"
+        time.sleep(0.2)
+
+
+def _abort_mid_prefill(engine, ids, rid):
+    async def run():
+        task = asyncio.ensure_future(engine.async_generate(input_ids=ids, sampling_params=GREEDY,
+                                                           rid=rid))
+        await asyncio.sleep(1.0)
+        engine.tokenizer_manager.abort_request(rid=rid)
+        return await task
+
+    return asyncio.get_event_loop().run_until_complete(run())
+
+
+def _workload(engine):
+    rng = random.Random(17)
+    doc = _ids(rng, 2000)
+    run = {"follow": [engine.generate(input_ids=doc + _ids(rng, 150), sampling_params=GREEDY)
+                      ["output_ids"] for _ in range(2)]}
+    run["idle_after_follow"] = _wait_idle(engine)
+    batch = [_ids(rng, rng.randint(2400, 2900)) for _ in range(8)]
+    run["batch_tokens"] = sum(len(ids) for ids in batch)
+    run["batch"] = [out["output_ids"] for out in engine.generate(input_ids=batch,
+                                                                  sampling_params=LINGER)]
+    run["idle_after_batch"] = _wait_idle(engine)
+    run["aborted"] = _abort_mid_prefill(engine, _ids(rng, 3500), "staged-abort")
+    run["idle_after_abort"] = _wait_idle(engine)
+    run["after_abort"] = engine.generate(input_ids=batch[0], sampling_params=LINGER)["output_ids"]
+    deadline = time.monotonic() + 60
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    run["flushed"] = _wait_idle(engine)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_path):
+    from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
+
+    out = {}
+    for layout, extra in (("shared", {}),
+                          ("staged", {"uniprefill_stage_kv_fraction": str(STAGE_FRACTION)})):
+        engine = make_cpu_engine(smollm2_path, uniprefill_kv_layout=layout, **COMMON, **extra)
+        try:
+            out[layout] = _workload(engine)
+        finally:
+            engine.shutdown()
+    return out
+
+
+def test_staged_layout_answers_exactly_as_the_shared_one(runs):
+    for key in ("follow", "batch", "after_abort"):
+        assert runs["staged"][key] == runs["shared"][key], key
+
+
+def test_stage_pool_too_small_for_the_batch_makes_requests_wait(runs):
+    pools = runs["staged"]["flushed"]["kv_pools"]
+    assert runs["staged"]["flushed"]["kv_layout"] == "staged"
+    assert [p["layers"] for p in pools] == [9, 21]
+    assert pools[1]["size"] == max(math.ceil(pools[0]["size"] * STAGE_FRACTION), CONTEXT + 1)
+    assert pools[1]["size"] < runs["staged"]["batch_tokens"] / 4  # not even 2 of the 8 prompts
+    assert pools[1]["bytes_per_slot"] == pools[0]["bytes_per_slot"] // 9 * 21
+    assert runs["staged"]["aborted"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.parametrize("point", ["idle_after_follow", "idle_after_batch", "idle_after_abort",
+                                   "flushed"])
+def test_every_pool_is_sound_when_idle_and_whole_after_a_flush(runs, point):
+    state = runs["staged"][point]
+    assert state["kv_pool_problems"] == []
+    assert state["available_kv_tokens"] + state["evictable_kv_tokens"] == \
+        state["max_total_num_tokens"]
+    if point == "flushed":
+        assert all(p["free"] == p["size"] for p in state["kv_pools"])
+    else:  # cached tokens hold stage slots only where they survived
+        full, stage = state["kv_pools"]
+        cached = state["evictable_kv_tokens"]
+        assert full["size"] - full["free"] == cached
+        assert stage["size"] - stage["free"] <= cached
+        if point != "idle_after_abort":  # (the aborted prompt may have evicted everything)
+            assert 0 < stage["size"] - stage["free"] < cached
