@@ -489,6 +489,14 @@ def derive(results: dict) -> None:
         if "error" not in row]
 
 
+def _one_line(match) -> str:
+    """A JSON list of plain values on one line; anything else (text in brackets) unchanged."""
+    try:
+        return json.dumps(json.loads(match.group(0)))
+    except ValueError:
+        return match.group(0)
+
+
 def save_results(path: Path, results: dict, header: dict) -> None:
     derive(results)
     results["header"] = header
@@ -496,8 +504,7 @@ def save_results(path: Path, results: dict, header: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     # Lists of plain values on one line each (the poller's samples would take thousands).
-    text = re.sub(r"\[[^\[\]{}\"]*\]", lambda m: json.dumps(json.loads(m.group(0))),
-                  json.dumps(ordered, indent=1))
+    text = re.sub(r"\[[^\[\]{}\"]*\]", _one_line, json.dumps(ordered, indent=1))
     tmp.write_text(text)
     os.replace(tmp, path)
 

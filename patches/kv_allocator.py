@@ -19,7 +19,10 @@ with SGLang's allocator and scheduler. Each is inert unless the allocator carrie
   (`StagePools.shortfall`), so a request admitted always finds its slots: it waits instead.
 * `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill` (BEFORE): when the waiting
   requests do not fit a stage pool, evict from the radix cache first (admission alone would
-  only wait, and cached tokens would never make room).
+  only wait, and cached tokens would never make room). And SGLang stops trying to admit once an
+  admission failed for memory (`batch_is_full`) until a request leaves; under the staged layout
+  a prefill's drops also give memory back, so a growth of the stage pools' room since that
+  failure lets admission try again.
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -97,9 +100,13 @@ def _budget_for_stages(result, adder, *args, **kwargs):
     return result
 
 
-def _evict_for_waiting(scheduler, *args, **kwargs):
+def _before_admission(scheduler, running_batch=None, *args, **kwargs):
     pools = _pools(scheduler.token_to_kv_pool_allocator)
-    if pools is None or not scheduler.waiting_queue or scheduler.tree_cache.is_chunk_cache():
+    if pools is None:
+        return
+    if running_batch is not None:
+        _retry_after_drops(scheduler, running_batch, pools.available())
+    if not scheduler.waiting_queue or scheduler.tree_cache.is_chunk_cache():
         return
     need = max(len(req.origin_input_ids) for req in scheduler.waiting_queue[:8])
     need = min(need, min(pools.sizes))
@@ -107,6 +114,18 @@ def _evict_for_waiting(scheduler, *args, **kwargs):
         from sglang.srt.mem_cache.common import evict_from_tree_cache
 
         evict_from_tree_cache(scheduler.tree_cache, need)
+
+
+def _retry_after_drops(scheduler, running_batch, available: int) -> None:
+    if not running_batch.batch_is_full:
+        scheduler.uniprefill_room_when_full = None
+        return
+    seen = getattr(scheduler, "uniprefill_room_when_full", None)
+    if seen is None:
+        scheduler.uniprefill_room_when_full = available
+    elif available > seen:
+        running_batch.batch_is_full = False
+        scheduler.uniprefill_room_when_full = None
 
 
 def register() -> None:
@@ -120,4 +139,4 @@ def register() -> None:
     HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
                           _budget_for_stages, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
-                          _evict_for_waiting, HookType.BEFORE)
+                          _before_admission, HookType.BEFORE)
