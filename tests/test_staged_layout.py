@@ -126,3 +126,30 @@ def test_every_pool_is_sound_when_idle_and_whole_after_a_flush(runs, point):
         assert stage["size"] - stage["free"] <= cached
         if point != "idle_after_abort":  # (the aborted prompt may have evicted everything)
             assert 0 < stage["size"] - stage["free"] < cached
+
+
+def test_a_fault_after_some_drops_reruns_dense_with_every_stage_slot_back(smollm2_path,
+                                                                          monkeypatch):
+    """The last of three drop layers raises after the first two gave dropped tokens' stage
+    slots back: the forward runs again dense, so every token needs its slots again."""
+    from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
+
+    monkeypatch.setenv("UNIPREFILL_TEST_FAULT", "last_drop")
+    rng = random.Random(5)
+    prompts = [_ids(rng, 1200), _ids(rng, 1500)]
+    engine = make_cpu_engine(smollm2_path, uniprefill_drop_layers="4,12,20",
+                             uniprefill_stage_kv_fraction="0.6,0.4", **COMMON)
+    try:
+        faulted = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        state = _wait_idle(engine)
+        assert engine.flush_cache().success
+        dense = [engine.generate(input_ids=p, sampling_params={
+            **GREEDY, "custom_params": {"uniprefill": False}}) for p in prompts]
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in faulted] == [o["output_ids"] for o in dense]
+    for out in faulted:
+        assert any("UniPrefill error, ran dense" in (e.get("reason") or "")
+                   for e in out["meta_info"]["uniprefill"]), out["meta_info"]["uniprefill"]
+    assert state["kv_pool_problems"] == []
+    assert [p["layers"] for p in state["kv_pools"]] == [5, 8, 8, 9]

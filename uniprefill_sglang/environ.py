@@ -64,9 +64,10 @@ FORCE_TRITON = Flag(
     "selection kernels: always Triton (CPU tensors need TRITON_INTERPRET=1)")
 TEST_FAULT = Choice(
     "UNIPREFILL_TEST_FAULT",
-    "test only: 'drop' raises inside every drop (the forward re-runs dense); 'kv_gaps' corrupts "
-    "the host KV gaps an extend records (they are re-read from the device)",
-    ("drop", "kv_gaps"))
+    "test only: 'drop' raises inside every drop (the forward re-runs dense); 'last_drop' only at "
+    "the last drop layer (after the earlier drops); 'kv_gaps' corrupts the host KV gaps an "
+    "extend records (they are re-read from the device)",
+    ("drop", "last_drop", "kv_gaps"))
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")

@@ -138,6 +138,8 @@ class UniPrefillRuntime:
             if parked is not None:  # rejoined rows may have been marked written
                 self.slots.mark_dropped(self.req_to_token_pool.req_to_token[
                     rows[b], parked.start_pos:parked.start_pos + parked.count], 0)
+        if self.slots.staged:  # the dense run writes every layer for every row of the batch
+            self.slots.pools.refill(ctx.forward_batch.out_cache_loc)
 
     def _record_gaps(self, ctx: DropContext) -> None:
         """After an extend: per request, the KV each later stage lacks, from the host-known
@@ -182,9 +184,11 @@ class UniPrefillRuntime:
         At the first drop layer this also parks non-final chunks (their rows stop here but the
         last, which carries the logits SGLang expects) and lets a final chunk's parked rows
         rejoin as candidates scored by the prompt's true last queries."""
-        if self.test_fault == "drop":
-            raise UniPrefillError("test fault at a drop layer (UNIPREFILL_TEST_FAULT=drop)")
         drop_index = self.stages.drop_index[layer.layer_id]
+        if self.test_fault == "drop" or (self.test_fault == "last_drop"
+                                         and drop_index == self.stages.num_drops - 1):
+            raise UniPrefillError(f"test fault at a drop layer (UNIPREFILL_TEST_FAULT="
+                                  f"{self.test_fault})")
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
         total = ctx.positions.shape[0]
         cands, selecting, joining, parking = self._gather_candidates(ctx, layer, q, drop_index)

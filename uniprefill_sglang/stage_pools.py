@@ -165,6 +165,20 @@ class StagePools:
                 s = first_stage - 1 + k
                 self.free_lists[s] = torch.cat((self.free_lists[s], ids))
 
+    def refill(self, full_slots: torch.Tensor) -> None:
+        """Give back a slot in every stage to those of `full_slots` that lost one (a forward
+        that dropped failed and runs again dense: every row writes every layer)."""
+        idx = full_slots.to(torch.int64)
+        for s in range(self.num_stages):
+            missing = idx[self.maps[s, idx] == 0]
+            n = missing.numel()
+            if n == 0:
+                continue
+            if self.free_lists[s].numel() < n:  # the failed forward released at least this
+                raise RuntimeError(f"UniPrefill: stage {s + 1} pool cannot refill {n} slots")
+            self.maps[s, missing] = self.free_lists[s][:n]
+            self.free_lists[s] = self.free_lists[s][n:]
+
     def stage_slots(self, full_slots: torch.Tensor, stage: int) -> torch.Tensor:
         """Where `full_slots` live in the buffers of `stage`'s layers."""
         if stage == 0:
