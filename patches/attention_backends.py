@@ -1,7 +1,9 @@
 """Hooks on SGLang attention backends: per-stage KV views.
 
 Every hook calls the upstream code unchanged unless UniPrefill is on with a drop schedule and
-the batch needs a per-stage view; dense requests and batches run upstream code.
+the layer reads a per-stage view (`backends.common.needs_view`: after a drop, while a request
+lacks KV in a later stage, or in every later stage under the staged KV layout). Each backend's
+hooks are listed by its adapter (`StageViewAdapter.hooks()`) and registered here alike.
 
 * `TorchNativeAttnBackend.forward_extend` / `.forward_decode` (AROUND): after a drop, a layer
   writes KV only for the survivors and attends only to the KV its stage holds
@@ -11,8 +13,8 @@ the batch needs a per-stage view; dense requests and batches run upstream code.
     and run wrappers planned once per stage per forward: ragged among the survivors plus paged
     over the stage's valid prefix, merged (or, where upstream runs no ragged wrapper, one paged
     wrapper over the whole compacted view).
-  - `init_forward_metadata` (AROUND): a decode batch with sparse KV plans one decode wrapper
-    per stage; `_get_wrapper_idx` (AROUND) returns the layer's stage under such metadata.
+  - `init_forward_metadata` (AROUND): a decode batch that needs views plans one decode
+    wrapper per stage; `_get_wrapper_idx` (AROUND) returns the layer's stage under such metadata.
   - `init_cuda_graph_state` / `_create_decode_wrappers` (AFTER) and
     `init_forward_metadata_out_graph` (AROUND): decode CUDA graphs capture one wrapper per
     stage over per-stage static buffers, refilled and re-planned outside the graph on replay.
@@ -25,10 +27,9 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 
 def register() -> None:
-    from uniprefill_sglang.backends import flashinfer, torch_native, triton
+    from uniprefill_sglang.backends import adapters
 
-    target = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-    HookRegistry.register(f"{target}.forward_extend", torch_native.forward_extend, HookType.AROUND)
-    HookRegistry.register(f"{target}.forward_decode", torch_native.forward_decode, HookType.AROUND)
-    flashinfer.register(HookRegistry.register, HookType.AROUND, HookType.AFTER)
-    triton.register(HookRegistry.register, HookType.AROUND, HookType.AFTER)
+    kinds = {"around": HookType.AROUND, "after": HookType.AFTER}
+    for adapter in adapters():
+        for method, hook, kind in adapter.hooks():
+            HookRegistry.register(f"{adapter.target}.{method}", hook, kinds[kind])

@@ -1,10 +1,12 @@
-"""What the GPU attention-backend adapters (FlashInfer, Triton) share: when a layer needs a
-per-stage view, batch sizes read without a device sync, and the KV write of the survivors.
-The views themselves are built by kv_validity.py."""
+"""What every attention-backend adapter shares: the base class each adapter is
+(`StageViewAdapter`: the upstream class it hooks, its per-backend state, whether a backend
+instance can serve the views), the one rule of when a layer reads KV through a per-stage view,
+and the helpers of the GPU adapters (batch sizes read without a device sync, the survivors'
+KV write, the prefix view). The views themselves are built by kv_validity.py."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,28 +23,63 @@ def active_runtime():
     return runtime
 
 
-def extend_needs_view(ctx, runtime, layer) -> bool:
-    """Does this extend layer need a per-stage view (same rule as the torch_native adapter)?"""
-    if runtime is None or ctx is None or not ctx.is_extend or ctx.sparse is None:
+def needs_view(ctx, runtime, layer=None) -> bool:
+    """The view rule: does this layer (for a decode step, without `layer`: its later stages)
+    read KV through a per-stage view? Stage 0 holds every token; a later stage needs one once a
+    drop compacted the batch, while a request lacks KV there, or always under the staged KV
+    layout, whose later stages keep their KV in pools of their own."""
+    if runtime is None or ctx is None or ctx.sparse is None:
         return False
-    if getattr(layer, "is_cross_attention", False):
+    if layer is not None and (getattr(layer, "is_cross_attention", False)
+                              or runtime.stages.stage(layer.layer_id) == 0):
         return False
-    if runtime.stages.stage(layer.layer_id) == 0:
-        return False  # stage 0 holds every token; compaction only starts after the first drop
-    # Under the staged layout a later stage's KV lives in its own pool: always a view.
     return ctx.compacted or any(ctx.sparse) or runtime.slots.staged
 
 
-def decode_has_sparse(ctx) -> bool:
-    return ctx is not None and not ctx.is_extend and bool(ctx.sparse) and any(ctx.sparse)
+def extend_needs_view(ctx, runtime, layer) -> bool:
+    return ctx is not None and ctx.is_extend and needs_view(ctx, runtime, layer)
 
 
 def decode_needs_views(ctx, runtime) -> bool:
-    """Does a decode step need per-stage views: some request lacks KV in a later stage, or the
-    later stages keep their KV in pools of their own (staged layout)?"""
-    if ctx is None or ctx.is_extend or runtime is None:
-        return False
-    return decode_has_sparse(ctx) or runtime.slots.staged
+    return ctx is not None and not ctx.is_extend and needs_view(ctx, runtime)
+
+
+def decode_has_sparse(ctx) -> bool:
+    """Does some request of a decode step lack KV in a later stage?"""
+    return ctx is not None and not ctx.is_extend and bool(ctx.sparse) and any(ctx.sparse)
+
+
+class StageViewAdapter:
+    """An attention backend taught the per-stage KV views; every adapter is one.
+
+    It names the upstream class it hooks (`target`) and its hooks (`hooks()`: method name,
+    hook, "around" or "after"), keeps its per-backend state on the backend object (`State`,
+    created on first use), and says why a backend instance cannot serve the views
+    (`unsupported_reason`: its hooks then leave the backend to upstream code, and the staged KV
+    layout is refused at start-up). Whether a layer reads through a view is `needs_view`."""
+
+    target = ""
+    State: Optional[type] = None
+
+    @property
+    def class_name(self) -> str:
+        return self.target.rsplit(".", 1)[-1]
+
+    def state(self, backend):
+        st = backend.__dict__.get("_uniprefill_state")
+        if st is None:
+            st = self.State()
+            backend._uniprefill_state = st
+        return st
+
+    def unsupported_reason(self, backend) -> Optional[str]:
+        return None
+
+    def supported(self, backend) -> bool:
+        return self.unsupported_reason(backend) is None
+
+    def hooks(self) -> Sequence[Tuple[str, Callable, str]]:
+        raise NotImplementedError
 
 
 def stages_after_first(runtime) -> List[int]:

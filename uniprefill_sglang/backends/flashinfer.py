@@ -39,6 +39,7 @@ from typing import Dict, Optional
 import torch
 
 from uniprefill_sglang.backends.common import (
+    StageViewAdapter,
     active_runtime,
     decode_has_sparse,
     decode_needs_views,
@@ -74,22 +75,29 @@ class _State:
         self.graph_int_ws: Dict[int, tuple] = {}
 
 
-def _state(backend) -> _State:
-    st = backend.__dict__.get("_uniprefill_state")
-    if st is None:
-        st = _State()
-        backend._uniprefill_state = st
-    return st
+class FlashInferAdapter(StageViewAdapter):
+    target = "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend"
+    State = _State
+
+    def unsupported_reason(self, backend):
+        if backend.num_wrappers != 1:
+            return "FlashInfer with a wrapper pair (sliding-window or cross-attention layers)"
+        if backend.page_size != 1:
+            return "FlashInfer with a page size other than 1"
+        if backend.prefill_uses_dequant_workspace or backend.decode_uses_dequant_workspace:
+            return "FlashInfer with an FP4 dequant-workspace KV cache"
+        return None
+
+    def hooks(self):
+        return [("forward_extend", forward_extend, "around"),
+                ("init_forward_metadata", init_forward_metadata, "around"),
+                ("_get_wrapper_idx", get_wrapper_idx, "around"),
+                ("init_cuda_graph_state", init_cuda_graph_state, "after"),
+                ("_create_decode_wrappers", create_decode_wrappers, "after"),
+                ("init_forward_metadata_out_graph", init_forward_metadata_out_graph, "around")]
 
 
-def _supported(backend) -> bool:
-    if backend.num_wrappers != 1:
-        return False  # sliding-window / cross-attention wrapper pairs: not a UniPrefill model
-    if backend.page_size != 1:
-        raise RuntimeError("--enable-uniprefill with the FlashInfer backend needs --page-size 1")
-    if backend.prefill_uses_dequant_workspace or backend.decode_uses_dequant_workspace:
-        raise RuntimeError("--enable-uniprefill does not support FP4 dequant-workspace KV caches")
-    return True
+ADAPTER = FlashInferAdapter()
 
 
 # ---- extend ----------------------------------------------------------------------------------
@@ -110,7 +118,7 @@ def _wrapper(backend, kind: str, stage: int):
     stages' layers have run, so re-planning a shared one would race their pinned plan copies."""
     from flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     w = st.extend_wrappers.get((kind, stage))
     if w is None:
         if kind == "ragged":
@@ -190,7 +198,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     """AROUND `FlashInferAttnBackend.forward_extend`."""
     runtime, ctx = active_runtime(), current()
     if (not extend_needs_view(ctx, runtime, layer) or k is None or args or kwargs
-            or not _supported(backend)):
+            or not ADAPTER.supported(backend)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     stage = runtime.stages.stage(layer.layer_id)
     view = _plan_extend_view(backend, runtime, ctx, forward_batch, stage)
@@ -234,12 +242,12 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
-            or not decode_needs_views(ctx, runtime) or not _supported(backend)):
+            or not decode_needs_views(ctx, runtime) or not ADAPTER.supported(backend)):
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
     from sglang.srt.layers.attention.flashinfer_backend import DecodeMetadata
 
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
     counts, _, indices = decode_stage_views(
@@ -282,9 +290,9 @@ def get_wrapper_idx(original, backend, layer):
 def init_cuda_graph_state(result, backend, *args, **kwargs):
     """AFTER `FlashInferAttnBackend.init_cuda_graph_state`: per-stage static index buffers."""
     runtime = active_runtime()
-    if runtime is None or not _supported(backend):
+    if runtime is None or not ADAPTER.supported(backend):
         return result
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     base_indices = backend.cuda_graph_kv_indices[0]
     num_stages = runtime.stages.num_drops
     st.graph_indptr = backend.kv_indptr[0].new_zeros((num_stages, backend.kv_indptr[0].numel()))
@@ -296,7 +304,7 @@ def create_decode_wrappers(result, backend, *args, **kwargs):
     """AFTER `FlashInferAttnBackend._create_decode_wrappers(bs, num_tokens)`: one more wrapper
     per stage after the first, over that stage's static buffers."""
     runtime = active_runtime()
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     if runtime is None or st.graph_indices is None or len(result) != 1:
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
@@ -339,7 +347,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     runtime = active_runtime()
     fb = forward_batch
     if (runtime is None or fb.spec_info is not None or not fb.forward_mode.is_decode_or_idle()
-            or not _supported(backend)):
+            or not ADAPTER.supported(backend)):
         return result
     bs = fb.batch_size
     wrappers = backend.decode_cuda_graph_metadata.get(bs)
@@ -353,7 +361,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     rpi, seq_lens = fb.req_pool_indices[:bs], fb.seq_lens[:bs]
     n = seq_lens_sum(fb, bs)
     sparse = not in_capture and decode_has_sparse(ctx)
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     if sparse:
         counts, _, _ = decode_stage_views(
             runtime.slots, backend.req_to_token_pool.req_to_token, rpi, seq_lens, n, raw_bs,
@@ -391,14 +399,3 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     if in_capture:
         backend.forward_metadata.uniprefill_staged = True
     return result
-
-
-def register(register_hook, around, after) -> None:
-    target = "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend"
-    register_hook(f"{target}.forward_extend", forward_extend, around)
-    register_hook(f"{target}.init_forward_metadata", init_forward_metadata, around)
-    register_hook(f"{target}._get_wrapper_idx", get_wrapper_idx, around)
-    register_hook(f"{target}.init_cuda_graph_state", init_cuda_graph_state, after)
-    register_hook(f"{target}._create_decode_wrappers", create_decode_wrappers, after)
-    register_hook(f"{target}.init_forward_metadata_out_graph", init_forward_metadata_out_graph,
-                  around)

@@ -12,16 +12,20 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from uniprefill_sglang.backends.common import StageViewAdapter, needs_view
 from uniprefill_sglang.context import current
 from uniprefill_sglang.runtime import get_runtime
 
 
-def _sparse_view_needed(ctx, runtime, layer) -> bool:
-    if ctx is None or runtime is None or ctx.sparse is None:
-        return False
-    if layer.is_cross_attention or runtime.stages.stage(layer.layer_id) == 0:
-        return ctx.compacted  # stage 0 holds every token; only compaction matters
-    return ctx.compacted or any(ctx.sparse) or runtime.slots.staged
+class TorchNativeAdapter(StageViewAdapter):
+    target = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+
+    def hooks(self):
+        return [("forward_extend", forward_extend, "around"),
+                ("forward_decode", forward_decode, "around")]
+
+
+ADAPTER = TorchNativeAdapter()
 
 
 def _request_slots(runtime, req_to_token, row: int, seq_len: int, stage: int):
@@ -55,7 +59,7 @@ def _masked_sdpa(q, k, v, mask, layer):
 
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
     ctx, runtime = current(), get_runtime()
-    if not (ctx is not None and ctx.is_extend and _sparse_view_needed(ctx, runtime, layer)):
+    if not (ctx is not None and ctx.is_extend and needs_view(ctx, runtime, layer)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
     fb = forward_batch
     stage = runtime.stages.stage(layer.layer_id)
@@ -93,7 +97,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 
 def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
     ctx, runtime = current(), get_runtime()
-    if not (ctx is not None and not ctx.is_extend and _sparse_view_needed(ctx, runtime, layer)):
+    if not (ctx is not None and not ctx.is_extend and needs_view(ctx, runtime, layer)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
     fb = forward_batch
     stage = runtime.stages.stage(layer.layer_id)

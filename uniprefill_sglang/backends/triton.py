@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from uniprefill_sglang.backends.common import (
+    StageViewAdapter,
     active_runtime,
     decode_has_sparse,
     decode_needs_views,
@@ -46,25 +47,29 @@ class _State:
         self.graph_splits: Optional[torch.Tensor] = None
 
 
-def _state(backend) -> _State:
-    st = backend.__dict__.get("_uniprefill_state")
-    if st is None:
-        st = _State()
-        backend._uniprefill_state = st
-    return st
+class TritonAdapter(StageViewAdapter):
+    target = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
+    State = _State
+
+    def unsupported_reason(self, backend):
+        if backend.page_size != 1:
+            return "Triton with a page size other than 1"
+        if backend.enable_deterministic:
+            return "Triton under deterministic inference"
+        if (backend.dcp_size != 1 or backend.use_mla or backend._translate_kv_loc is not None
+                or backend.use_sliding_window_kv_pool or backend.sliding_window_size is not None):
+            return "Triton with split-context, MLA, translated or sliding-window KV"
+        return None
+
+    def hooks(self):
+        return [("forward_extend", forward_extend, "around"),
+                ("forward_decode", forward_decode, "around"),
+                ("init_forward_metadata", init_forward_metadata, "around"),
+                ("init_cuda_graph_state", init_cuda_graph_state, "after"),
+                ("init_forward_metadata_out_graph", init_forward_metadata_out_graph, "around")]
 
 
-def _supported(backend) -> bool:
-    if backend.page_size != 1:
-        raise RuntimeError("--enable-uniprefill with the Triton backend needs --page-size 1")
-    return (
-        backend.dcp_size == 1
-        and not backend.use_mla
-        and not backend.enable_deterministic
-        and backend._translate_kv_loc is None
-        and not backend.use_sliding_window_kv_pool
-        and backend.sliding_window_size is None
-    )
+ADAPTER = TritonAdapter()
 
 
 # ---- extend ----------------------------------------------------------------------------------
@@ -90,7 +95,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     """AROUND `TritonAttnBackend.forward_extend`."""
     runtime, ctx = active_runtime(), current()
     if (not extend_needs_view(ctx, runtime, layer) or k is None or v is None
-            or kwargs.get("score_mod") is not None or not _supported(backend)):
+            or kwargs.get("score_mod") is not None or not ADAPTER.supported(backend)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     stage = runtime.stages.stage(layer.layer_id)
     kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(
@@ -138,7 +143,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
-            or not decode_needs_views(ctx, runtime) or not _supported(backend)):
+            or not decode_needs_views(ctx, runtime) or not ADAPTER.supported(backend)):
         return result
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
@@ -158,9 +163,9 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
 def init_cuda_graph_state(result, backend, *args, **kwargs):
     """AFTER `TritonAttnBackend.init_cuda_graph_state`: per-stage static buffers."""
     runtime = active_runtime()
-    if runtime is None or not _supported(backend):
+    if runtime is None or not ADAPTER.supported(backend):
         return result
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     stages = stages_after_first(runtime)
     st.graph_indptr = backend.kv_indptr.new_zeros((len(stages), backend.kv_indptr.numel()))
     st.graph_indices = backend.cuda_graph_kv_indices.new_zeros(
@@ -177,7 +182,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     result = original(backend, forward_batch, in_capture, *args, **kwargs)
     runtime = active_runtime()
     fb = forward_batch
-    st = _state(backend)
+    st = ADAPTER.state(backend)
     if (runtime is None or st.graph_indices is None or fb.spec_info is not None
             or not fb.forward_mode.is_decode_or_idle()):
         return result
@@ -205,13 +210,3 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
             for s in stages
         }
     return result
-
-
-def register(register_hook, around, after) -> None:
-    target = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
-    register_hook(f"{target}.forward_extend", forward_extend, around)
-    register_hook(f"{target}.forward_decode", forward_decode, around)
-    register_hook(f"{target}.init_forward_metadata", init_forward_metadata, around)
-    register_hook(f"{target}.init_cuda_graph_state", init_cuda_graph_state, after)
-    register_hook(f"{target}.init_forward_metadata_out_graph", init_forward_metadata_out_graph,
-                  around)
