@@ -108,12 +108,18 @@ def _before_admission(scheduler, running_batch=None, *args, **kwargs):
         _retry_after_drops(scheduler, running_batch, pools.available())
     if not scheduler.waiting_queue or scheduler.tree_cache.is_chunk_cache():
         return
-    need = max(len(req.origin_input_ids) for req in scheduler.waiting_queue[:8])
-    need = min(need, min(pools.sizes))
+    need = min(max(_new_tokens(req) for req in scheduler.waiting_queue[:8]), min(pools.sizes))
     if pools.available() < need:
         from sglang.srt.mem_cache.common import evict_from_tree_cache
 
         evict_from_tree_cache(scheduler.tree_cache, need)
+
+
+def _new_tokens(req) -> int:
+    """Tokens a waiting request still has to prefill: its prompt less the cached prefix it
+    matched when last scheduled (evicting that prefix to make room would defeat the cache)."""
+    cached = req.prefix_indices
+    return max(1, len(req.origin_input_ids) - (len(cached) if cached is not None else 0))
 
 
 def _retry_after_drops(scheduler, running_batch, available: int) -> None:
