@@ -19,10 +19,13 @@
   stage slots by the attention adapters.
 """
 
+import logging
 from contextlib import nullcontext
 
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+logger = logging.getLogger(__name__)
 
 
 def _uniprefill_args(kvc):
@@ -38,6 +41,14 @@ def _plan_layout(kvc, config):
     from uniprefill_sglang.stage_pools import StageLayout, default_stage_fractions
 
     if config.kv_layout != "staged" or kvc.use_mla_backend:
+        return None
+    args = kvc.server_args
+    backends = {args.attention_backend, args.prefill_attention_backend,
+                args.decode_attention_backend} - {None}
+    if "triton" in backends and args.enable_deterministic_inference:
+        # The Triton adapter does not serve deterministic inference (its split KV is fixed).
+        logger.warning("UniPrefill: Triton under deterministic inference keeps the shared KV "
+                       "layout")
         return None
     hf_config = kvc.model_config.hf_config
     text_config = getattr(hf_config, "text_config", hf_config)

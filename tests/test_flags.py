@@ -47,6 +47,9 @@ def test_default_schedule_matches_the_paper_for_llama_31_8b_and_scales():
         (dict(drop_layers="7,x"), "--uniprefill-drop-layers"),
         (dict(drop_layers="11,7"), "--uniprefill-drop-layers"),
         (dict(drop_layers="-1"), "--uniprefill-drop-layers"),
+        (dict(kv_layout="paged"), "--uniprefill-kv-layout"),
+        (dict(stage_kv_fraction="0.5,0"), "--uniprefill-stage-kv-fraction"),
+        (dict(stage_kv_fraction="1.5"), "--uniprefill-stage-kv-fraction"),
     ],
 )
 def test_invalid_knobs_name_the_flag(override, flag):
@@ -136,6 +139,11 @@ def test_cli_accepts_the_flags(smollm2_path):
     cfg = args.uniprefill_config()
     assert cfg.drop_layers == (3, 9) and cfg.block_size == 32 and cfg.min_tokens_to_drop == 1024
     assert cfg.keep_ratio == (0.5,)
+    assert cfg.kv_layout == "staged" and cfg.stage_kv_fraction is None
+    cfg = _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
+                    "--uniprefill-kv-layout", "shared", "--uniprefill-stage-kv-fraction",
+                    "0.6,0.3"]).uniprefill_config()
+    assert cfg.kv_layout == "shared" and cfg.stage_kv_fraction == (0.6, 0.3)
 
 
 @pytest.mark.parametrize(
