@@ -10,9 +10,10 @@
 Why: a prefill CUDA graph is captured for fixed token counts, while a batch that drops tokens
 changes its row count mid-forward (and its later layers read per-stage KV views planned at run
 time). Such a batch, and one whose requests reuse a sparse cached prefix, runs eagerly; batches
-with nothing to drop and no sparse KV keep the graph, under the shared KV layout only: under the
-staged layout every layer after the first drop reads its own pool through those views. Decode graphs need no bypass: the
-attention backends capture them with one view per stage (patches/attention_backends.py).
+with nothing to drop and no sparse KV keep the graph, under the shared KV layout only (under the
+staged layout every layer after the first drop reads its own pool through those views). Decode
+graphs need no bypass: the attention backends capture them with one view per stage
+(patches/attention_backends.py).
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType

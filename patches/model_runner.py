@@ -62,11 +62,8 @@ def _check_staged_layout(model_runner, runtime):
     plugin's per-stage views: refuse at start-up what would read them another way."""
     from uniprefill_sglang.backends import staged_layout_unsupported
 
-    why = None
-    if not runtime.has_schedule:
-        why = "the model runs without a drop schedule"
-    else:
-        why = staged_layout_unsupported(model_runner.attn_backend)
+    why = ("the model runs without a drop schedule" if not runtime.has_schedule
+           else staged_layout_unsupported(model_runner.attn_backend))
     if why:
         raise RuntimeError(f"UniPrefill: the staged KV layout cannot serve this model: {why}; "
                            "start with --uniprefill-kv-layout shared")

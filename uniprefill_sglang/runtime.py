@@ -163,11 +163,9 @@ class UniPrefillRuntime:
         free = allocator.available_size()
         if self.slots.staged:
             return self.slots.pools.report(free)
-        pool = self.token_to_kv_pool
-        per_slot = sum(k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
-                       for k, v in zip(pool.k_buffer, pool.v_buffer))
-        return [dict(stage=0, layers=len(pool.k_buffer), size=int(allocator.size), free=int(free),
-                     bytes_per_slot=int(per_slot))]
+        per_layer = _slot_bytes_per_layer(self.token_to_kv_pool)
+        return [dict(stage=0, layers=len(per_layer), size=int(allocator.size), free=int(free),
+                     bytes_per_slot=sum(per_layer))]
 
     @staticmethod
     def host_rows(fb) -> list:
@@ -345,24 +343,28 @@ def _stage_pools(stages: LayerStages, pool, allocator, device):
         return None
     if layout.stages.drop_layers != stages.drop_layers:
         raise UniPrefillError(
-            f"UniPrefill: the KV pool was laid out for drop layers {list(layout.stages.drop_layers)}"
-            f" but the model runs {list(stages.drop_layers)}; start with "
-            "--uniprefill-kv-layout shared")
+            f"UniPrefill: the KV pool was laid out for drop layers "
+            f"{list(layout.stages.drop_layers)} but the model runs {list(stages.drop_layers)}; "
+            "start with --uniprefill-kv-layout shared")
     if allocator is None:
         raise UniPrefillError("UniPrefill: the staged KV layout needs the KV allocator")
-    per_layer = [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
-                 for k, v in zip(pool.k_buffer, pool.v_buffer)]
     bytes_per_slot = [0] * (stages.num_drops + 1)
-    for layer, size in enumerate(per_layer):
+    for layer, size in enumerate(_slot_bytes_per_layer(pool)):
         bytes_per_slot[stages.stage(layer)] += size
     pools = StagePools(layout, pool.size, pool.uniprefill_stage_sizes, bytes_per_slot, device)
     pool.uniprefill_stage_maps = pools.maps
     allocator.uniprefill_stage_pools = pools
+    total = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                for k, v in zip(pool.k_buffer, pool.v_buffer))
     logger.info("UniPrefill staged KV layout: stage pools of %s slots (full pool %d), "
-                "%.1f GiB of KV in all", pools.sizes, pool.size,
-                sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                    for k, v in zip(pool.k_buffer, pool.v_buffer)) / 2**30)
+                "%.1f GiB of KV in all", pools.sizes, pool.size, total / 2**30)
     return pools
+
+
+def _slot_bytes_per_layer(pool) -> list:
+    """K+V bytes of one slot, per layer of the pool."""
+    return [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
+            for k, v in zip(pool.k_buffer, pool.v_buffer)]
 
 
 def _prefix_lens(fb) -> list:
