@@ -96,10 +96,12 @@ def _create_stage_buffers(original, pool, *args, **kwargs):
     from uniprefill_sglang.stage_pools import planned_layout
 
     layout = planned_layout()
-    if (layout is None or pool.page_size != 1 or pool.use_hnd or pool.start_layer != 0
-            or pool.layer_num != layout.stages.num_layers
-            or pool.kv_cache_layout == "vectorized_5d"):
+    if layout is None or pool.start_layer != 0 or pool.layer_num != layout.stages.num_layers:
         return original(pool, *args, **kwargs)
+    if pool.page_size != 1 or pool.use_hnd or pool.kv_cache_layout == "vectorized_5d":
+        # The cell size already counted the stage pools: a full-size pool would not fit.
+        raise RuntimeError("UniPrefill: the staged KV layout needs page size 1 and the NHD KV "
+                           "cache layout; start with --uniprefill-kv-layout shared")
     sizes = [pool.size] + layout.stage_sizes(pool.size)
     rows = [sizes[layout.stage_of_layer(layer)] + 1 for layer in range(pool.layer_num)]
     custom = (torch.cuda.use_mem_pool(pool.custom_mem_pool) if pool.enable_custom_mem_pool
