@@ -205,8 +205,9 @@ class UniPrefillRuntime:
         if joining.count:  # surviving parked rows get the later layers' KV in this forward
             joined, joined_kept = torch.cat(joining.slots), keep[sum(rows_per_request):]
             self.slots.mark_written(joined[joined_kept])
-            if self.slots.staged:  # the others' later-stage slots were kept while parked
-                self.slots.pools.release(joined[~joined_kept])
+            # The others stay dropped at the first drop, and give back the later stages' slots
+            # they kept while parked.
+            self.slots.mark_dropped(joined[~joined_kept], 0)
         ctx.shrink(keep, joining, rows_per_request, park_sink=self.parking.append)
         if self.report_kept_positions:
             ctx.kept_digest.append(ctx.position_digest())
