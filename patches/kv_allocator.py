@@ -21,8 +21,11 @@ with SGLang's allocator and scheduler. Each is inert unless the allocator carrie
   requests do not fit a stage pool, evict from the radix cache first (admission alone would
   only wait, and cached tokens would never make room). And SGLang stops trying to admit once an
   admission failed for memory (`batch_is_full`) until a request leaves; under the staged layout
-  a prefill's drops also give memory back, so a growth of the stage pools' room since that
-  failure lets admission try again.
+  a prefill's drops also give memory back, so when the stage pools' room has grown since the
+  last admission was decided, admission tries again.
+* `...Scheduler.get_new_batch_prefill` (AFTER): note that room, measured once the admitted
+  batch has its slots and before its forward drops anything (measured at the next call it
+  would already include the drops of the batch whose admission failed, and never grow).
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -115,6 +118,13 @@ def _before_admission(scheduler, running_batch=None, *args, **kwargs):
         evict_from_tree_cache(scheduler.tree_cache, need)
 
 
+def _after_admission(result, scheduler, *args, **kwargs):
+    pools = _pools(scheduler.token_to_kv_pool_allocator)
+    if pools is not None:
+        scheduler.uniprefill_room_after_admission = pools.available()
+    return result
+
+
 def _new_tokens(req) -> int:
     """Tokens a waiting request still has to prefill: its prompt less the cached prefix it
     matched when last scheduled (evicting that prefix to make room would defeat the cache)."""
@@ -123,15 +133,17 @@ def _new_tokens(req) -> int:
 
 
 def _retry_after_drops(scheduler, running_batch, available: int) -> None:
-    if not running_batch.batch_is_full:
-        scheduler.uniprefill_room_when_full = None
-        return
-    seen = getattr(scheduler, "uniprefill_room_when_full", None)
-    if seen is None:
-        scheduler.uniprefill_room_when_full = available
-    elif available > seen:
+    """Lift SGLang's `batch_is_full` latch when drops gave stage memory back since the last
+    admission (decode steps only take room; a finished request lifts the latch in SGLang)."""
+    room = getattr(scheduler, "uniprefill_room_after_admission", None)
+    if running_batch.batch_is_full and room is not None and available > room:
         running_batch.batch_is_full = False
-        scheduler.uniprefill_room_when_full = None
+        scheduler.uniprefill_admission_retries = admission_retries(scheduler) + 1
+
+
+def admission_retries(scheduler) -> int:
+    """How often admission was retried because drops gave stage memory back."""
+    return getattr(scheduler, "uniprefill_admission_retries", 0)
 
 
 def register() -> None:
@@ -146,3 +158,5 @@ def register() -> None:
                           _budget_for_stages, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
                           _before_admission, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+                          _after_admission, HookType.AFTER)

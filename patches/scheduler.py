@@ -4,7 +4,8 @@
   ["uniprefill"]` reports the KV pool's accounting (free, evictable and protected slots, the
   request pool, and per stage pool its size, free slots and bytes per slot), so a test or an
   operator can check that dropping leaks no KV slot; when idle under the staged layout, also
-  the stage pools' invariant check (`kv_pool_problems`, empty when sound).
+  the stage pools' invariant check (`kv_pool_problems`, empty when sound), and how often
+  admission was retried because drops gave stage memory back (`admission_retries`).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 * `SchedulerInvariantChecker._get_total_uncached_sizes` (AFTER): SGLang's busy-time KV check
   (`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`) counts each running request's slots past its
@@ -17,6 +18,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 
 def _add_pool_state(result, scheduler, *args, **kwargs):
+    from uniprefill_sglang.patches.kv_allocator import admission_retries
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
@@ -40,6 +42,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "private_prefix_slots": runtime.prefix_reuse.private.held,
         "kv_layout": "staged" if runtime.slots.staged else "shared",
         "kv_pools": runtime.kv_pool_report(scheduler.token_to_kv_pool_allocator),
+        "admission_retries": admission_retries(scheduler),
     }
     if state["uniprefill"]["idle"] and runtime.slots.staged:
         state["uniprefill"]["kv_pool_problems"] = runtime.slots.pools.check(
