@@ -37,14 +37,14 @@ def _uniprefill_args(kvc):
 
 def _plan_layout(kvc, config):
     """The staged layout for this model, or None (shared layout, or nothing to drop)."""
-    from uniprefill_sglang.config import unsupported_architecture_reason, validate_for_model
+    from uniprefill_sglang.config import (attention_backend_names,
+                                          unsupported_architecture_reason, validate_for_model)
     from uniprefill_sglang.stage_pools import StageLayout, default_stage_fractions
 
     if config.kv_layout != "staged" or kvc.use_mla_backend:
         return None
     args = kvc.server_args
-    backends = {args.attention_backend, args.prefill_attention_backend,
-                args.decode_attention_backend} - {None}
+    backends = attention_backend_names(args)
     if "triton" in backends and args.enable_deterministic_inference:
         # The Triton adapter does not serve deterministic inference (its split KV is fixed).
         logger.warning("UniPrefill: Triton under deterministic inference keeps the shared KV "
@@ -54,10 +54,11 @@ def _plan_layout(kvc, config):
     text_config = getattr(hf_config, "text_config", hf_config)
     architectures = getattr(hf_config, "architectures", None) or []
     layer_types = getattr(text_config, "layer_types", None)
-    if unsupported_architecture_reason(architectures, layer_types):
+    if unsupported_architecture_reason(architectures, layer_types, backends):
         return None
     num_layers = text_config.num_hidden_layers
-    drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types)
+    drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types,
+                                     attention_backends=backends)
     if not drop_layers:
         return None
     fractions = config.stage_kv_fraction or default_stage_fractions(len(drop_layers),

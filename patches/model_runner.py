@@ -19,7 +19,9 @@ logger = logging.getLogger(__name__)
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
-    from uniprefill_sglang.config import unsupported_architecture_reason, validate_for_model
+    from uniprefill_sglang.architectures import lookup as architecture_entry
+    from uniprefill_sglang.config import (attention_backend_names,
+                                          unsupported_architecture_reason, validate_for_model)
     from uniprefill_sglang.kv_validity import LayerStages
     from uniprefill_sglang.request_plan import log_fallback_once, set_no_schedule_reason
     from uniprefill_sglang.runtime import UniPrefillRuntime, set_runtime
@@ -33,8 +35,10 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     num_layers = text_config.num_hidden_layers
     architectures = getattr(hf_config, "architectures", None) or []
     layer_types = getattr(text_config, "layer_types", None)
-    drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types)
-    unsupported = unsupported_architecture_reason(architectures, layer_types)
+    backends = attention_backend_names(server_args)
+    drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types,
+                                     attention_backends=backends)
+    unsupported = unsupported_architecture_reason(architectures, layer_types, backends)
     set_no_schedule_reason(unsupported)
     if unsupported:
         # Served dense, every request says why in meta_info; say it once here, loudly.
@@ -45,8 +49,10 @@ def _install_runtime(result, model_runner, *args, **kwargs):
                                 _tp_agreement(model_runner),
                                 checkpoint_shape=_checkpoint_shape(model_runner, config),
                                 allocator=model_runner.token_to_kv_pool_allocator)
-    if drop_layers and not model_integration.install(model_runner.model, runtime):
-        log_fallback_once(f"model {type(model_runner.model).__name__} has no decoder-layer list")
+    if drop_layers and not model_integration.install(model_runner.model, runtime,
+                                                     architecture_entry(architectures)):
+        log_fallback_once(f"model {type(model_runner.model).__name__} does not have the decoder "
+                          "layers its architecture's integration expects")
         runtime.stages = LayerStages((), num_layers)
     if runtime.slots.staged:
         _check_staged_layout(model_runner, runtime)

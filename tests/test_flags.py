@@ -66,9 +66,9 @@ def test_drop_layers_checked_against_the_model():
         validate_for_model(cfg, ["LlamaForCausalLM"], 30, full_attention_layers=[5, 17, 23])
     # An architecture without an integration runs dense unless layers were forced.
     default = build_config(**DEFAULTS)
-    assert validate_for_model(default, ["Gemma3ForCausalLM"], 18) == ()
+    assert validate_for_model(default, ["Gemma2ForCausalLM"], 18) == ()
     with pytest.raises(UniPrefillConfigError, match="no UniPrefill integration"):
-        validate_for_model(cfg, ["Gemma3ForCausalLM"], 18)
+        validate_for_model(cfg, ["Gemma2ForCausalLM"], 18)
     assert validate_for_model(default, ["Qwen3ForCausalLM"], 28) == default_drop_layers(28)
     none = build_config(**{**DEFAULTS, "drop_layers": "none"})
     assert validate_for_model(none, ["LlamaForCausalLM"], 30) == ()
@@ -77,14 +77,33 @@ def test_drop_layers_checked_against_the_model():
 GEMMA3_LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
 
-def test_sliding_window_hybrids_are_unsupported_architectures():
+def test_gemma3_drops_at_its_global_layers_from_60_percent_depth():
     default = build_config(**DEFAULTS)
-    reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES)
-    assert reason.startswith("unsupported architecture Gemma3ForCausalLM (sliding-window hybrid)")
+    # Gemma-3-270M: global layers 5, 11, 17 of 18; 17 is the last layer.
     assert validate_for_model(default, ["Gemma3ForCausalLM"], 18,
-                              layer_types=GEMMA3_LAYER_TYPES) == ()
-    # A supported decoder layer with sliding-window layers (e.g. Qwen2 with
-    # use_sliding_window) is refused too; all-full layer_types are fine.
+                              layer_types=GEMMA3_LAYER_TYPES) == (11,)
+    # Gemma-3-12B: global every sixth layer from 5 of 48 -> the paper's 29, 35, 41.
+    assert validate_for_model(default, ["Gemma3ForCausalLM"], 48,
+                              layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8
+                              ) == (29, 35, 41)
+    assert unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
+                                           ["torch_native"]) is None
+    with pytest.raises(UniPrefillConfigError, match="not a full-attention layer"):
+        validate_for_model(build_config(**{**DEFAULTS, "drop_layers": "5,9"}),
+                           ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES)
+
+
+def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them():
+    default = build_config(**DEFAULTS)
+    # Gemma 3 on a backend whose adapter has no sliding-window view: dense, saying why.
+    reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
+                                             ["flashinfer"])
+    assert "sliding-window layers" in reason and "torch_native" in reason
+    assert "flashinfer" in reason
+    assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
+                              attention_backends=["torch_native", "triton"]) == ()
+    # A Llama-shaped decoder configured with sliding-window layers (e.g. Qwen2 with
+    # use_sliding_window) is refused; all-full layer_types are fine.
     reason = unsupported_architecture_reason(["Qwen2ForCausalLM"], GEMMA3_LAYER_TYPES)
     assert "unsupported architecture Qwen2ForCausalLM" in reason and "sliding_attention" in reason
     assert validate_for_model(default, ["Qwen2ForCausalLM"], 18,
@@ -94,6 +113,8 @@ def test_sliding_window_hybrids_are_unsupported_architectures():
         validate_for_model(forced, ["Qwen2ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES)
     assert unsupported_architecture_reason(["Qwen2ForCausalLM"], ["full_attention"] * 4) is None
     assert unsupported_architecture_reason(["LlamaForCausalLM"]) is None
+    assert unsupported_architecture_reason(["Gemma2ForCausalLM"], GEMMA3_LAYER_TYPES).startswith(
+        "unsupported architecture Gemma2ForCausalLM (sliding-window hybrid)")
 
 
 class _Req:
@@ -106,7 +127,7 @@ def test_requests_say_why_a_model_without_schedule_runs_dense():
     cfg = build_config(**DEFAULTS)
     try:
         assert decide(_Req(), 4096, cfg, False, None).reason == NO_SCHEDULE_REASON
-        reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES)
+        reason = unsupported_architecture_reason(["Gemma2ForCausalLM"], GEMMA3_LAYER_TYPES)
         set_no_schedule_reason(reason)
         d = decide(_Req(), 4096, cfg, False, None)
         assert not d.enabled and d.reason == reason

@@ -13,24 +13,16 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-# Architectures whose decoder layer follows the Llama pattern the integration relies on
-# (`input_layernorm` -> `self_attn(positions, hidden_states, forward_batch)` ->
-# `post_attention_layernorm(hidden, residual)` -> `mlp`), every layer full attention.
-SUPPORTED_ARCHITECTURES = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-    }
-)
+from uniprefill_sglang import architectures as arch_table
+
+# Architectures with a table entry (uniprefill_sglang/architectures.py).
+SUPPORTED_ARCHITECTURES = arch_table.SUPPORTED_NAMES
 
 # Attention backends that know how to read per-stage (sparse) KV (uniprefill_sglang/backends/).
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
-
-# The paper's schedule for the 32-layer Llama-3.1-8B; other depths scale it proportionally.
-_REFERENCE_DEPTH = 32
-_REFERENCE_DROP_LAYERS = (7, 11, 15, 19, 23, 27)
+# Those whose adapter also serves sliding-window layers over the survivors (the window measured
+# in original positions); on the others a model with such layers runs dense.
+SLIDING_WINDOW_ATTENTION_BACKENDS = ("torch_native",)
 
 DEFAULT_TOP_P = 0.99
 DEFAULT_BLOCK_SIZE = 64
@@ -99,10 +91,7 @@ def find_shipped_profile(architectures: Sequence[str], num_layers: int, hidden_s
 
 def default_drop_layers(num_layers: int) -> tuple[int, ...]:
     """The reference schedule scaled to `num_layers` (7/32, 11/32, ... 27/32 of the depth)."""
-    layers = sorted(
-        {round(d * num_layers / _REFERENCE_DEPTH) for d in _REFERENCE_DROP_LAYERS}
-    )
-    return tuple(l for l in layers if 0 < l < num_layers - 1)
+    return arch_table.scaled_reference_layers(num_layers)
 
 
 def parse_keep_ratios(value, flag: str = "--uniprefill-keep-ratio") -> Optional[tuple[float, ...]]:
@@ -170,10 +159,16 @@ class UniPrefillConfig:
         """Below this many new tokens a step runs dense (the method needs sinks + last window)."""
         return max(self.min_prompt_tokens, self.sink_tokens + self.last_queries)
 
-    def resolved_drop_layers(self, num_layers: int) -> tuple[int, ...]:
-        if self.drop_layers is None:
+    def resolved_drop_layers(self, num_layers: int, architectures: Sequence[str] = (),
+                             layer_types: Optional[Sequence[str]] = None) -> tuple[int, ...]:
+        """The drop layers: the flag's or profile's, else the architecture's default."""
+        if self.drop_layers is not None:
+            return self.drop_layers
+        entry = arch_table.lookup(architectures)
+        if entry is None:
             return default_drop_layers(num_layers)
-        return self.drop_layers
+        return entry.default_drop_layers(
+            num_layers, arch_table.full_attention_layers(layer_types, num_layers))
 
 
 def build_config(
@@ -266,27 +261,40 @@ def build_config(
     )
 
 
+def attention_backend_names(server_args) -> set:
+    """The attention backends a server runs (prefill and decode may differ); empty while SGLang
+    has not chosen one."""
+    return {server_args.attention_backend, getattr(server_args, "prefill_attention_backend", None),
+            getattr(server_args, "decode_attention_backend", None)} - {None}
+
+
 def unsupported_architecture_reason(
-    architectures: Sequence[str], layer_types: Optional[Sequence[str]] = None
+    architectures: Sequence[str], layer_types: Optional[Sequence[str]] = None,
+    attention_backends: Sequence[str] = (),
 ) -> Optional[str]:
     """Why UniPrefill cannot serve this model (None if it can).
 
-    ``layer_types`` is the Hugging Face config's per-layer attention kind, where it has one
-    (Gemma 3: five ``sliding_attention`` layers per ``full_attention`` layer). A sliding-window
-    layer keeps only a window of KV, which the per-stage KV views and the drop schedule (every
-    later layer reads the survivors' KV) do not model, so such hybrids are refused even when
-    their decoder layer otherwise fits.
+    An architecture needs a table entry (architectures.py), and every layer's attention kind
+    (the Hugging Face config's ``layer_types``, where it has one) must be one its entry serves:
+    Gemma 3's sliding-window layers are, a Qwen2 configured with sliding-window layers is not
+    (its decoder layer keeps the window in SGLang's own way, which the views do not model).
     """
     names = ", ".join(architectures) or "(none)"
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+    entry = arch_table.lookup(architectures)
+    if entry is None:
         sliding = " (sliding-window hybrid)" if layer_types and any(
-            t != "full_attention" for t in layer_types) else ""
+            t != arch_table.FULL_ATTENTION for t in layer_types) else ""
         return (f"unsupported architecture {names}{sliding}: no UniPrefill integration "
                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        kinds = sorted(set(layer_types) - {"full_attention"})
+    kinds = sorted(set(layer_types or ()) - entry.layer_kinds)
+    if kinds:
         return (f"unsupported architecture {names}: layers of kind {', '.join(kinds)} "
-                "(UniPrefill needs every layer to be full attention)")
+                f"(its integration serves {', '.join(sorted(entry.layer_kinds))})")
+    windowless = sorted(set(attention_backends) - set(SLIDING_WINDOW_ATTENTION_BACKENDS))
+    if arch_table.SLIDING_ATTENTION in (layer_types or ()) and windowless:
+        return (f"{names} has sliding-window layers, which UniPrefill serves on the "
+                f"{', '.join(SLIDING_WINDOW_ATTENTION_BACKENDS)} attention backend only "
+                f"(not {', '.join(windowless)})")
     return None
 
 
@@ -296,6 +304,7 @@ def validate_for_model(
     num_layers: int,
     full_attention_layers: Optional[Sequence[int]] = None,
     layer_types: Optional[Sequence[str]] = None,
+    attention_backends: Sequence[str] = (),
 ) -> tuple[int, ...]:
     """Check the drop layers against the model; return the resolved schedule.
 
@@ -303,12 +312,14 @@ def validate_for_model(
     (dense, logged by the caller) unless the user asked for explicit drop layers, which is an
     error.
     """
-    reason = unsupported_architecture_reason(architectures, layer_types)
+    reason = unsupported_architecture_reason(architectures, layer_types, attention_backends)
     if reason is not None:
         if config.drop_layers:
             raise UniPrefillConfigError(f"--uniprefill-drop-layers was given but {reason}")
         return ()
-    layers = config.resolved_drop_layers(num_layers)
+    layers = config.resolved_drop_layers(num_layers, architectures, layer_types)
+    if full_attention_layers is None and layer_types:
+        full_attention_layers = arch_table.full_attention_layers(layer_types, num_layers)
     for l in layers:
         if not (0 <= l < num_layers):
             raise UniPrefillConfigError(

@@ -1,22 +1,23 @@
 """Teach a built SGLang model the drop, without copying its code.
 
-SGLang's Llama, Qwen2 and Qwen3 models share one decoder-layer shape:
-    layer(positions, hidden_states, forward_batch, residual)
-      input_layernorm -> self_attn(positions, ...) -> RadixAttention(q, k, v, forward_batch)
-      -> post_attention_layernorm(hidden_states, residual) -> mlp
-so three per-instance wrappers are enough:
+Every supported family's decoder layer runs input_layernorm -> self_attn(...) ->
+RadixAttention(q, k, v, forward_batch) -> a norm that adds the attention output to the residual
+stream, norm(delta, residual) -> mlp; architectures.py names that norm and the per-forward layer
+inputs of each family. Three per-instance wrappers are enough:
   * every RadixAttention of a drop layer runs the drop right after its attention;
-  * the drop layer's post_attention_layernorm gathers hidden states and residual to the
-    survivors, so that layer's MLP already runs on them;
+  * the drop layer's residual norm gathers hidden states and residual to the survivors, so that
+    layer's MLP already runs on them;
   * every decoder layer, while the batch is compacted, gets the survivors' original positions
-    (RoPE) and, as a fallback, gathers inputs that still have the pre-drop row count.
-The first drop layer's post-attention norm also saves every row's residual stream for prefix
+    and position inputs (RoPE cos/sin recomputed for them) and, as a fallback, gathers inputs
+    that still have the pre-drop row count.
+The first drop layer's residual norm also saves every row's residual stream for prefix
 re-selection (prefix_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import torch
@@ -53,23 +54,45 @@ def query_size(model: nn.Module):
     return None
 
 
-def _wrap_layer_entry(layer: nn.Module) -> None:
+def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape) -> None:
     original = layer.forward
+    signature = inspect.signature(original)
+    position_inputs = [(name, getattr(inner, attr, None)) for name, attr in shape.position_inputs]
 
     @functools.wraps(original)
-    def forward(positions, hidden_states, forward_batch, residual=None, *args, **kwargs):
+    def forward(*args, **kwargs):
         ctx = current()
-        if ctx is not None and ctx.compacted:
-            if residual is not None:
-                hidden_states, residual = ctx.apply_pending(hidden_states, residual)
-            ctx.finish_pending()
-            positions = ctx.positions
-        return original(positions, hidden_states, forward_batch, residual, *args, **kwargs)
+        if ctx is None or not ctx.compacted:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        inputs = bound.arguments
+        if inputs.get("residual") is not None:
+            inputs["hidden_states"], inputs["residual"] = ctx.apply_pending(
+                inputs["hidden_states"], inputs["residual"])
+        ctx.finish_pending()
+        positions = inputs["positions"]  # [n] (Llama) or [1, n] (Gemma 3)
+        inputs["positions"] = ctx.positions.reshape(*positions.shape[:-1], -1)
+        for name, module in position_inputs:
+            if inputs.get(name) is not None and module is not None:
+                inputs[name] = _survivor_position_input(ctx, name, module,
+                                                        inputs["hidden_states"])
+        return original(*bound.args, **bound.kwargs)
 
     layer.forward = forward
 
 
-def _wrap_post_attention_norm(norm: nn.Module, runtime, first_drop: bool) -> None:
+def _survivor_position_input(ctx, name, module, hidden_states):
+    """A per-forward position input (RoPE cos/sin) for the current survivors, computed once per
+    drop and shared by the layers after it."""
+    cache = ctx.views.setdefault("position_inputs", {})
+    hit = cache.get(name)
+    if hit is None or hit[0] is not ctx.positions:
+        hit = (ctx.positions, module(hidden_states, ctx.positions.unsqueeze(0)))
+        cache[name] = hit
+    return hit[1]
+
+
+def _wrap_residual_norm(norm: nn.Module, runtime, first_drop: bool) -> None:
     original = norm.forward
 
     @functools.wraps(original)
@@ -110,42 +133,46 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
 
     @functools.wraps(original)
     def forward(q, k, v, forward_batch, *args, **kwargs):
+        q_rows = q.reshape(-1, attn.tp_q_head_num * attn.qk_head_dim)  # Gemma 3: [1, n, H, D]
         if first_drop and not torch.compiler.is_compiling():
             saving = _checkpointing(runtime, current(), forward_batch)
             # The norm hook of this layer saves with this batch's slots.
             runtime.checkpoint_batch = forward_batch if saving else None
             slots = forward_batch.out_cache_loc
-            if saving and slots is not None and slots.shape[0] == q.shape[0]:
-                runtime.checkpoint.save_queries(slots, q)
+            if saving and slots is not None and slots.shape[0] == q_rows.shape[0]:
+                runtime.checkpoint.save_queries(slots, q_rows)
         out = original(q, k, v, forward_batch, *args, **kwargs)
         ctx = current()
         if ctx is not None and ctx.is_extend and ctx.plan is not None and ctx.plan.any_enabled:
-            runtime.drop(ctx, attn, q)
+            runtime.drop(ctx, attn, q_rows)
         return out
 
     attn.forward = forward
 
 
-def install(model: nn.Module, runtime) -> bool:
-    """Wrap the model's layers for `runtime`'s schedule. False if the model has no known shape."""
+def install(model: nn.Module, runtime, architecture) -> bool:
+    """Wrap the model's layers for `runtime`'s schedule, shaped as `architecture`
+    (architectures.Architecture) says. False if the model does not have that shape."""
     layers = find_decoder_layers(model)
     if layers is None:
         return False
+    shape = architecture.shape
     drop_layers = set(runtime.stages.drop_layers)
-    for i, layer in enumerate(layers):
-        attn = _find_radix_attention(layer)
-        if attn is None:
-            continue  # e.g. a pipeline-parallel placeholder
-        _wrap_layer_entry(layer)
+    # (layer, its attention) for every real layer (a pipeline-parallel placeholder has none).
+    attending = [(layer, attn) for layer in layers
+                 if (attn := _find_radix_attention(layer)) is not None]
+    if any(getattr(layer, shape.residual_norm, None) is None
+           for layer, attn in attending if attn.layer_id in drop_layers):
+        return False
+    for layer, attn in attending:
+        _wrap_layer_entry(layer, model.model, shape)
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]
             _wrap_drop_attention(attn, runtime, first_drop)
-            norm = getattr(layer, "post_attention_layernorm", None)
-            if norm is not None:
-                _wrap_post_attention_norm(norm, runtime, first_drop)
-                if first_drop:
-                    # Parking needs the state right after the drop layer's attention.
-                    runtime.parking.enabled = True
+            _wrap_residual_norm(getattr(layer, shape.residual_norm), runtime, first_drop)
+            if first_drop:
+                # Parking needs the state right after the drop layer's attention.
+                runtime.parking.enabled = True
     logger.info("UniPrefill: drop layers %s installed on %d decoder layers",
                 sorted(drop_layers), len(layers))
     return True

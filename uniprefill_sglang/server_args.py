@@ -15,6 +15,7 @@ from typing import Optional
 from sglang.srt.arg_groups.arg_utils import A, Arg
 from sglang.srt.server_args import ServerArgs
 
+from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_LAYOUT,
@@ -27,6 +28,7 @@ from uniprefill_sglang.config import (
     SUPPORTED_ATTENTION_BACKENDS,
     UniPrefillConfig,
     UniPrefillConfigError,
+    attention_backend_names,
     build_config,
     find_shipped_profile,
     load_profile,
@@ -243,13 +245,13 @@ class UniPrefillServerArgs(ServerArgs):
             getattr(hf_config, "architectures", None) or [],
             text_config.num_hidden_layers,
             layer_types=getattr(text_config, "layer_types", None),
+            attention_backends=attention_backend_names(self),
         )
 
     def _resolve_uniprefill_profile(self):
         """Pick the shipped profile for this model when none was given (the scheduler processes
         receive these args and load the same file), and say which profile is in use."""
-        if (self.uniprefill_profile or "").strip().lower() == "none":
-            return
+        no_profile = (self.uniprefill_profile or "").strip().lower() == "none"
         try:
             from transformers import AutoConfig
 
@@ -263,9 +265,11 @@ class UniPrefillServerArgs(ServerArgs):
         num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
         if self.uniprefill_profile is None:
             shipped = find_shipped_profile(architectures, num_layers, hidden_size)
-            if shipped is None:
-                return
-            self.uniprefill_profile = shipped.path
+            if shipped is not None:
+                self.uniprefill_profile = shipped.path
+        if no_profile or self.uniprefill_profile is None:
+            self._apply_architecture_top_p(architectures)
+            return
         profile = load_profile(self.uniprefill_profile)
         if not profile.matches(architectures, num_layers, hidden_size):
             logger.warning(
@@ -275,6 +279,17 @@ class UniPrefillServerArgs(ServerArgs):
                 hidden_size)
         config = self.uniprefill_config()
         logger.info("UniPrefill profile %s: drop layers %s, %s, block size %d", profile.path,
-                    list(config.resolved_drop_layers(num_layers)),
+                    list(config.resolved_drop_layers(num_layers, architectures,
+                                                     getattr(text_config, "layer_types", None))),
                     f"keep ratio {config.keep_ratio}" if config.keep_ratio else f"top-p {config.top_p}",
                     config.block_size)
+
+    def _apply_architecture_top_p(self, architectures):
+        """An architecture's own default top-p (architectures.py) where no flag or profile
+        chose how much to keep."""
+        entry = architecture_entry(architectures)
+        if entry is None or entry.top_p is None:
+            return
+        if self.uniprefill_top_p is None and self.uniprefill_keep_ratio is None:
+            self.uniprefill_top_p = entry.top_p
+            logger.info("UniPrefill: top-p %g, %s's default", entry.top_p, ", ".join(architectures))

@@ -4,7 +4,8 @@ Requests whose KV is complete at this layer go through the backend's own per-req
 the stage pool's slots under the staged KV layout), so dense requests get bit-identical results
 whether or not a neighbour in the batch dropped, and whichever the layout.
 Requests with missing KV attend to their valid slots with an explicit causal mask on the
-original positions.
+original positions; a sliding-window layer's mask also leaves out keys more than its window
+before the query, measured in original positions (as upstream measures it on a whole sequence).
 """
 
 from __future__ import annotations
@@ -44,6 +45,21 @@ def _write_kv(backend, layer, loc, k, v, save_kv_cache):
         backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
 
 
+def sliding_window(layer):
+    """The layer's window as upstream counts it (a query sees keys at most this many positions
+    back), or None for full attention."""
+    window = getattr(layer, "sliding_window_size", None)
+    return window if window is not None and window > -1 else None
+
+
+def _visible(kpos, qpos, window):
+    """[n, m] mask: the key positions each query position may attend to."""
+    mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+    if window is not None:
+        mask &= kpos.unsqueeze(0) >= qpos.unsqueeze(1) - window
+    return mask
+
+
 def _masked_sdpa(q, k, v, mask, layer):
     # q: [n, Hq, D], k/v: [m, Hkv, D], mask: [n, m] bool or None -> [n, Hq, Dv]
     out = scaled_dot_product_attention(
@@ -63,6 +79,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
     fb = forward_batch
     stage = runtime.stages.stage(layer.layer_id)
+    q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)  # Gemma 3 passes [1, n, H, D]
     _write_kv(backend, layer, ctx.out_cache_loc, k, v, save_kv_cache)
     o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
     q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
@@ -79,8 +96,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         if ctx.sparse[b] and stage > 0:
             slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
             slots = runtime.slots.pool_slots(slots, stage)
-            qpos = ctx.positions[s : s + n]
-            mask = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+            mask = _visible(kpos, ctx.positions[s : s + n], sliding_window(layer))
             o_[s : s + n] = _masked_sdpa(q_[s : s + n], k_cache[slots], v_cache[slots], mask, layer)
         else:
             table, row = _request_slots(runtime, req_to_token, rows[b], seq_lens[b], stage)
@@ -91,6 +107,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
                 scaling=layer.scaling,
                 enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
                 causal=True,
+                sliding_window_size=sliding_window(layer),
             )
     return o
 
@@ -113,9 +130,12 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     rows = fb.req_pool_indices.tolist()
     for b in range(len(rows)):
         if ctx.sparse[b]:
-            slots, _ = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
+            slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
             slots = runtime.slots.pool_slots(slots, stage)
-            o_[b : b + 1] = _masked_sdpa(q_[b : b + 1], k_cache[slots], v_cache[slots], None, layer)
+            window = sliding_window(layer)
+            mask = None if window is None else _visible(
+                kpos, kpos.new_full((1,), seq_lens[b] - 1), window)
+            o_[b : b + 1] = _masked_sdpa(q_[b : b + 1], k_cache[slots], v_cache[slots], mask, layer)
         else:
             table, row = _request_slots(runtime, req_to_token, rows[b], seq_lens[b], stage)
             backend._run_sdpa_forward_decode(
@@ -124,5 +144,6 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cac
                 scaling=layer.scaling,
                 enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
                 causal=False,
+                sliding_window_size=sliding_window(layer),
             )
     return o

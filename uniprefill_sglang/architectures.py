@@ -1,0 +1,107 @@
+"""The model families UniPrefill serves: one table entry each, no per-model code.
+
+An entry says how SGLang's decoder layer of that family is shaped (`DecoderShape`: where the
+attention output joins the residual stream, which layer inputs are computed once per forward
+from the positions), which kinds of attention layer it may hold (Hugging Face `layer_types`),
+and its default drop schedule. model_integration.py wraps any model through its entry, the
+attention adapters read each layer's kind from its RadixAttention (a sliding window attends to
+the survivors within the window, measured in original positions), and config.py validates
+schedules against it. Another hybrid (e.g. alternating sliding-window and full layers) is one
+more entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+# The paper's schedule for the 32-layer Llama-3.1-8B; other depths scale it proportionally.
+_REFERENCE_DEPTH = 32
+_REFERENCE_DROP_LAYERS = (7, 11, 15, 19, 23, 27)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+    # The norm called as norm(delta, residual) that adds the attention output to the residual
+    # stream: the drop gathers both to the survivors there, so the layer's MLP runs on them.
+    residual_norm: str
+    # Layer keyword inputs computed once per forward from the positions, per name the inner
+    # model's module that computes them as module(hidden_states, positions[None]) (Gemma 3's
+    # RoPE cos/sin); recomputed for the survivors after a drop.
+    position_inputs: Tuple[Tuple[str, str], ...] = ()
+
+
+# Llama, Mistral, Qwen2, Qwen3: input_layernorm -> self_attn -> post_attention_layernorm(h, res)
+# -> mlp; the layer is called as layer(positions, hidden_states, forward_batch, residual).
+LLAMA = DecoderShape(residual_norm="post_attention_layernorm")
+# Gemma 3: attention output -> post_attention_layernorm(h) -> pre_feedforward_layernorm(h, res)
+# -> mlp -> post_feedforward_layernorm; called with keywords, RoPE cos/sin passed in.
+GEMMA3 = DecoderShape(
+    residual_norm="pre_feedforward_layernorm",
+    position_inputs=(("position_embeddings_global", "rotary_emb"),
+                     ("position_embeddings_local", "rotary_emb_local")))
+
+
+def scaled_reference_layers(num_layers: int, full_layers: Sequence[int] = ()) -> tuple:
+    """The reference schedule scaled to `num_layers` (7/32, 11/32, ... 27/32 of the depth)."""
+    layers = sorted({round(d * num_layers / _REFERENCE_DEPTH) for d in _REFERENCE_DROP_LAYERS})
+    return tuple(l for l in layers if 0 < l < num_layers - 1)
+
+
+def full_layers_from_depth(fraction: float) -> Callable[[int, Sequence[int]], tuple]:
+    """Drop at every full-attention layer from `fraction` of the depth on, except the last
+    layer (nothing after it to save). Gemma-3-12B (48 layers, global every sixth from 5) at
+    0.6: 29, 35, 41, the paper's schedule."""
+    def rule(num_layers: int, full_layers: Sequence[int]) -> tuple:
+        start = math.ceil(fraction * num_layers)
+        return tuple(l for l in full_layers if start <= l < num_layers - 1)
+    return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    names: frozenset
+    shape: DecoderShape
+    # Attention kinds its layers may have; drops happen at full-attention layers only.
+    layer_kinds: frozenset = frozenset({FULL_ATTENTION})
+    # (num_layers, full-attention layers) -> the default drop layers.
+    default_drop_layers: Callable[[int, Sequence[int]], tuple] = scaled_reference_layers
+    # Its default top-p where it differs from config.DEFAULT_TOP_P (None: the general default).
+    top_p: Optional[float] = None
+    note: str = ""
+
+
+ARCHITECTURES: Tuple[Architecture, ...] = (
+    Architecture(frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                            "Qwen3ForCausalLM"}), LLAMA),
+    Architecture(frozenset({"Gemma3ForCausalLM"}), GEMMA3,
+                 layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
+                 default_drop_layers=full_layers_from_depth(0.6), top_p=0.975,
+                 note="drops at its global layers from 60% depth, as the paper's Gemma-3 runs"),
+)
+
+BY_NAME: Dict[str, Architecture] = {n: a for a in ARCHITECTURES for n in a.names}
+SUPPORTED_NAMES = frozenset(BY_NAME)
+
+
+def lookup(architectures: Sequence[str]) -> Optional[Architecture]:
+    for name in architectures:
+        if name in BY_NAME:
+            return BY_NAME[name]
+    return None
+
+
+def layer_kinds(layer_types: Optional[Sequence[str]], num_layers: int) -> Tuple[str, ...]:
+    """Each layer's attention kind (no `layer_types` in the config: every layer full)."""
+    if not layer_types:
+        return (FULL_ATTENTION,) * num_layers
+    return tuple(layer_types)
+
+
+def full_attention_layers(layer_types: Optional[Sequence[str]], num_layers: int) -> tuple:
+    return tuple(i for i, k in enumerate(layer_kinds(layer_types, num_layers))
+                 if k == FULL_ATTENTION)
