@@ -1,4 +1,5 @@
-"""One integration, several model families: Qwen2 and Qwen3 (Llama is SmolLM2 elsewhere).
+"""One integration, several model families: Qwen2 and Qwen3 (Llama is SmolLM2 elsewhere, Gemma 3
+in test_gemma3.py); and an architecture without an integration, served dense.
 
 Small random-weight models (`load_format="dummy"`) built from a config.json at test time, served
 by SGLang's CPU engine with the SmolLM2 tokenizer. Random weights make attention near-uniform,
@@ -22,7 +23,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "generation_config.json")
 
 
-def _model_dir(tmp_path: Path, smollm2_path: str, architecture: str, model_type: str) -> str:
+def _model_dir(tmp_path: Path, smollm2_path: str, architecture: str, model_type: str,
+               **extra) -> str:
     folder = tmp_path / model_type
     folder.mkdir()
     for name in TOKENIZER_FILES:
@@ -35,7 +37,7 @@ def _model_dir(tmp_path: Path, smollm2_path: str, architecture: str, model_type:
         "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 49152,
         "tie_word_embeddings": False, "torch_dtype": "float32", "hidden_act": "silu",
-        "bos_token_id": 1, "eos_token_id": 2,
+        "bos_token_id": 1, "eos_token_id": 2, **extra,
     }
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
@@ -64,3 +66,26 @@ def test_family_drops_and_matches_dense_at_full_keep(tmp_path, smollm2_path, arc
     assert len(kept) == 3 and kept[0] == half["meta_info"]["prompt_tokens"]
     assert kept[2] < kept[1] < kept[0], kept
     assert len(half["output_ids"]) == greedy["max_new_tokens"]
+
+
+def test_unsupported_architecture_is_served_dense_and_says_why(tmp_path, smollm2_path, capfd):
+    """Phi-3 has no table entry (architectures.py): every request runs dense, says why in
+    meta_info, even when it asks for a keep ratio, and the scheduler says it once at start-up."""
+    path = _model_dir(tmp_path, smollm2_path, "Phi3ForCausalLM", "phi3")
+    engine = make_cpu_engine(path, load_format="dummy", enable_uniprefill=True,
+                             context_length=4096, disable_radix_cache=True, log_level="warning")
+    prompt = " ".join(f"token{i % 97} word{i % 13}." for i in range(450))
+    greedy = {"temperature": 0.0, "max_new_tokens": 8}
+    try:
+        dense = engine.generate(prompt, dict(greedy, custom_params={"uniprefill": False}))
+        forced = engine.generate(prompt, dict(greedy, custom_params={"uniprefill_keep_ratio": 0.3}))
+    finally:
+        engine.shutdown()
+    info = forced["meta_info"]["uniprefill"]
+    assert len(info) == 1 and info[0]["enabled"] is False
+    assert info[0]["reason"].startswith("unsupported architecture Phi3ForCausalLM"), info
+    assert info[0]["kept_tokens"] == [forced["meta_info"]["prompt_tokens"]]
+    assert forced["output_ids"] == dense["output_ids"]
+    assert dense["meta_info"]["uniprefill"][0]["reason"] == "disabled by the request"
+    logs = capfd.readouterr()
+    assert "UniPrefill: unsupported architecture Phi3ForCausalLM" in logs.out + logs.err

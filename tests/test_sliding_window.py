@@ -1,0 +1,49 @@
+"""The torch_native views' sliding-window mask over survivors (backends/torch_native.py).
+
+A sliding-window layer after a drop attends to the surviving keys within its window measured
+in original positions: the mask over the survivors must be upstream's whole-sequence mask
+(`TorchNativeAttnBackend._make_sliding_window_mask`) restricted to the surviving query and key
+positions, on fresh random survivor sets, windows and prefix offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from uniprefill_sglang.backends.torch_native import _visible, sliding_window
+
+
+def _upstream_mask(seq_len: int, window):
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    if window is None:
+        return torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return TorchNativeAttnBackend._make_sliding_window_mask(
+        q_len=seq_len, kv_len=seq_len, sliding_window_size=window, device="cpu")
+
+
+def test_survivor_mask_is_the_whole_sequence_mask_restricted_to_survivors():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(200):
+        seq_len = int(torch.randint(1, 700, (1,), generator=gen))
+        window = [None, 0, 1, 7, 63, 511][int(torch.randint(0, 6, (1,), generator=gen))]
+        keys = torch.nonzero(torch.rand(seq_len, generator=gen) < 0.4).flatten()
+        if keys.numel() == 0:
+            keys = torch.tensor([seq_len - 1])
+        # Queries: the new rows of an extend that survived, after a cached prefix.
+        prefix = int(torch.randint(0, seq_len, (1,), generator=gen))
+        queries = keys[keys >= prefix]
+        expected = _upstream_mask(seq_len, window)[queries][:, keys]
+        assert torch.equal(_visible(keys, queries, window), expected), (seq_len, window, prefix)
+
+
+class _Layer:
+    def __init__(self, sliding_window_size):
+        self.sliding_window_size = sliding_window_size
+
+
+def test_window_read_as_upstream_reads_it():
+    assert sliding_window(_Layer(-1)) is None  # RadixAttention's "no window"
+    assert sliding_window(_Layer(None)) is None
+    assert sliding_window(_Layer(511)) == 511
+    assert sliding_window(object()) is None
