@@ -72,16 +72,15 @@ class Architecture:
     default_drop_layers: Callable[[int, Sequence[int]], tuple] = scaled_reference_layers
     # Its default top-p where it differs from config.DEFAULT_TOP_P (None: the general default).
     top_p: Optional[float] = None
-    note: str = ""
 
 
 ARCHITECTURES: Tuple[Architecture, ...] = (
     Architecture(frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                             "Qwen3ForCausalLM"}), LLAMA),
+    # The paper's Gemma-3 runs: drops at its global layers from 60% depth, top-p 0.975.
     Architecture(frozenset({"Gemma3ForCausalLM"}), GEMMA3,
                  layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
-                 default_drop_layers=full_layers_from_depth(0.6), top_p=0.975,
-                 note="drops at its global layers from 60% depth, as the paper's Gemma-3 runs"),
+                 default_drop_layers=full_layers_from_depth(0.6), top_p=0.975),
 )
 
 BY_NAME: Dict[str, Architecture] = {n: a for a in ARCHITECTURES for n in a.names}
