@@ -12,6 +12,8 @@ asked again over its cached prompt, a request answers as it did fresh.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
@@ -39,6 +41,14 @@ def test_tokenizer_is_sentencepiece_bpe_with_bos(gemma_path):
     assert tok.decode(ids, skip_special_tokens=True) == "The grass is green. 42"
 
 
+def _flush(engine):
+    """Empty the radix cache (refused until the last request has left the scheduler)."""
+    deadline = time.monotonic() + 60
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline, "the cache never flushed"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def runs(gemma_path):
     from transformers import AutoTokenizer
@@ -61,8 +71,7 @@ def runs(gemma_path):
                                  ("full", {"uniprefill_top_p": 1.0}),
                                  ("default", None),
                                  ("forced", {"uniprefill_keep_ratio": 0.3})):
-                # The cache emptied first: no request reuses another's prompt.
-                assert engine.flush_cache().success
+                _flush(engine)  # the cache emptied first: no request reuses another's prompt
                 params = dict(greedy, **({"custom_params": custom} if custom else {}))
                 run[name] = engine.generate(input_ids=case.input_ids, sampling_params=params)
             # Asked again, the prompt cached by the forced request: its prefix is sparse at
