@@ -61,7 +61,7 @@ class UniPrefillServerArgs(ServerArgs):
     ] = False
     uniprefill_top_p: A[
         Optional[float],
-        Arg(help="UniPrefill: attention mass of blocks to keep at each drop, in (0, 1] (default 0.99)."),
+        Arg(help="UniPrefill: attention mass of blocks to keep at each drop, in (0, 1] (default 0.99; Gemma 3: 0.975)."),
     ] = None
     uniprefill_keep_ratio: A[
         Optional[str],
