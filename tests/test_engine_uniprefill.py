@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import flush_cache, make_cpu_engine
 
 pytestmark = pytest.mark.engine
 
@@ -105,14 +105,6 @@ def _assert_no_leak(state) -> None:
     assert state["parked_requests"] == 0, state
 
 
-def _flush(engine, timeout_s: float = 60.0) -> None:
-    """Empty the radix cache; SGLang refuses while the scheduler is not fully idle yet."""
-    deadline = time.monotonic() + timeout_s
-    while not engine.flush_cache().success:
-        assert time.monotonic() < deadline, "radix cache flush kept being refused"
-        time.sleep(0.2)
-
-
 def _prefix_sequence(engine):
     return [engine.generate(PREFIX_DOC + q, GREEDY) for q in PREFIX_QUESTIONS]
 
@@ -148,7 +140,7 @@ def up_run(smollm2_path, dense_run):
     engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, enable_mixed_chunk=True)
     try:
         def fresh(prompt, params):  # no radix hit from an earlier request of this fixture
-            _flush(engine)
+            flush_cache(engine)
             return engine.generate(prompt, params)
 
         run = {
@@ -161,7 +153,7 @@ def up_run(smollm2_path, dense_run):
             "off": fresh(LONG_PROMPTS[0], dict(GREEDY, custom_params={"uniprefill": False})),
             "short": fresh(SHORT_PROMPT, DECODE_48),
         }
-        _flush(engine)
+        flush_cache(engine)
         run["prefix"] = _prefix_sequence(engine)
         run["pool"] = _pool_state(engine)
         return run
@@ -273,22 +265,22 @@ def chunked_run(smollm2_path, fresh_prefix_run):
     try:
         run = {"alone": []}
         for prompt in LONG_PROMPTS:
-            _flush(engine)
+            flush_cache(engine)
             run["alone"].append(engine.generate(prompt, GREEDY))
-        _flush(engine)
+        flush_cache(engine)
         run["alone_b"] = engine.generate(OTHER_PROMPT, GREEDY)
-        _flush(engine)
+        flush_cache(engine)
         run["together"] = engine.generate([LONG_PROMPTS[0], OTHER_PROMPT], GREEDY)
-        _flush(engine)
+        flush_cache(engine)
         run["aborted"] = _abort_mid_prefill(engine, LONG_PROMPTS[1] + " Think twice.")
         run["pool_after_abort"] = _pool_state(engine)
-        _flush(engine)
+        flush_cache(engine)
         run["after_abort"] = engine.generate(LONG_PROMPTS[0], GREEDY)
         run["pool"] = _pool_state(engine)
-        _flush(engine)
+        flush_cache(engine)
         run["logprobs"] = engine.generate(LONG_PROMPTS[0], GREEDY, return_logprob=True,
                                           logprob_start_len=0)
-        _flush(engine)
+        flush_cache(engine)
         mixed_before = _pool_state(engine)["mixed_forwards"]
         run["mixed_short"], run["mixed_long"] = _run_together(
             engine, SHORT_PROMPT, DECODE_48, LONG_PROMPTS[1], GREEDY)

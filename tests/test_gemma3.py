@@ -12,11 +12,9 @@ asked again over its cached prompt, a request answers as it did fresh.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import flush_cache, make_cpu_engine
 
 pytestmark = pytest.mark.engine
 
@@ -38,14 +36,6 @@ def test_tokenizer_is_sentencepiece_bpe_with_bos(gemma_path):
     assert tok.convert_ids_to_tokens(ids) == ["<bos>", "The", "\u2581grass", "\u2581is",
                                               "\u2581green", ".", "\u2581", "4", "2"]
     assert tok.decode(ids, skip_special_tokens=True) == "The grass is green. 42"
-
-
-def _flush(engine):
-    """Empty the radix cache (refused until the last request has left the scheduler)."""
-    deadline = time.monotonic() + 60
-    while not engine.flush_cache().success:
-        assert time.monotonic() < deadline, "the cache never flushed"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +60,7 @@ def runs(gemma_path):
                                  ("full", {"uniprefill_top_p": 1.0}),
                                  ("default", None),
                                  ("forced", {"uniprefill_keep_ratio": 0.3})):
-                _flush(engine)  # the cache emptied first: no request reuses another's prompt
+                flush_cache(engine)  # the cache emptied first: no request reuses another's prompt
                 params = dict(greedy, **({"custom_params": custom} if custom else {}))
                 run[name] = engine.generate(input_ids=case.input_ids, sampling_params=params)
             # Asked again, the prompt cached by the forced request: its prefix is sparse at

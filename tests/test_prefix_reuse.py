@@ -12,9 +12,10 @@ back to idle with no private prefix slot left.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
+
+from uniprefill_sglang.tools.cpu_engine import flush_cache
 
 pytestmark = pytest.mark.engine
 os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
@@ -39,13 +40,6 @@ def engine(module_engine_factory):
                                  max_prefill_tokens=CHUNK)
 
 
-def _flush(engine):
-    deadline = time.monotonic() + 60
-    while not engine.flush_cache().success:
-        assert time.monotonic() < deadline, "radix cache flush kept being refused"
-        time.sleep(0.1)
-
-
 def _ask(engine, ids, policy=None, knobs=None, **params):
     knobs = dict(knobs or {})
     if policy is not None:
@@ -57,12 +51,12 @@ def _ask(engine, ids, policy=None, knobs=None, **params):
 
 
 def _reference(engine, ids):
-    _flush(engine)
+    flush_cache(engine)
     return _ask(engine, ids)
 
 
 def _assert_idle(engine):
-    _flush(engine)
+    flush_cache(engine)
     state = engine.get_server_info()["internal_states"][0]["uniprefill"]
     assert state["idle"] and state["parked_requests"] == 0, state
     assert state["private_prefix_slots"] == 0, state
@@ -79,7 +73,7 @@ def test_reselected_followups_keep_the_uncached_positions(engine, tokenizer):
     long_tail = case.document_ids + tokenizer(
         " Here we go." * 150, add_special_tokens=False)["input_ids"] + case.questions[0].input_ids
     refs = [_reference(engine, ids) for ids in prompts + [long_tail]]
-    _flush(engine)
+    flush_cache(engine)
     first, meta = _ask(engine, prompts[0], "reselect")
     assert meta.get("prefix") is None and first["text"] == refs[0][0]["text"]
     for ids, (ref, ref_meta) in zip(prompts[1:] + [long_tail], refs[1:]):
@@ -96,7 +90,7 @@ def test_verify_reports_its_choice_and_reuse_sparse_does_not_verify(engine, toke
     from uniprefill_sglang.tools import shared_context
 
     case = shared_context.make_case(tokenizer, "kv", 1200, num_facts=3, seed=5)
-    _flush(engine)
+    flush_cache(engine)
     _ask(engine, case.prompt_ids(0), "verify")
     for i, policy in ((1, "verify"), (2, "reuse-sparse")):
         out, meta = _ask(engine, case.prompt_ids(i), policy)
@@ -121,7 +115,7 @@ def test_a_cached_prefix_built_by_a_request_generating_nothing_is_dense(engine, 
 
     case = shared_context.make_case(tokenizer, "locker", 1200, num_facts=2, seed=7)
     for builder, holds_all in (("dense-prefix", True), ("verify", True), ("reuse-sparse", False)):
-        _flush(engine)
+        flush_cache(engine)
         _ask(engine, case.document_ids, builder, max_new_tokens=0)
         out, meta = _ask(engine, case.prompt_ids(0), "verify")
         assert meta["prefix"]["cached_tokens"] >= len(case.document_ids) - 1, meta
@@ -144,7 +138,7 @@ def test_a_short_cached_system_turn_is_reselected(engine, tokenizer):
             add_generation_prompt=True)
         chats.append(tokenizer(text)["input_ids"])
     ref, ref_meta = _reference(engine, chats[1])
-    _flush(engine)
+    flush_cache(engine)
     _ask(engine, chats[0], "verify")
     out, meta = _ask(engine, chats[1], "verify")
     assert 0 < meta["prefix"]["cached_tokens"] <= 128, meta
@@ -162,10 +156,10 @@ def test_a_dense_request_gets_back_what_the_cache_dropped(engine, tokenizer):
 
     case = shared_context.make_case(tokenizer, "locker", 1200, num_facts=2, seed=9)
     dense = {"uniprefill": False}
-    _flush(engine)
+    flush_cache(engine)
     ref, _ = _ask(engine, case.prompt_ids(1), knobs=dense)
     for policy, action in (("verify", "restored"), ("reuse-sparse", None)):
-        _flush(engine)
+        flush_cache(engine)
         _, first = _ask(engine, case.prompt_ids(0), policy)
         assert first["kept_tokens"][-1] < first["kept_tokens"][0], first  # the cache is sparse
         out, meta = _ask(engine, case.prompt_ids(1), policy, knobs=dense)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -152,3 +153,12 @@ def make_cpu_engine(model_path: str, repo_root: str | os.PathLike | None = None,
 
     kwargs = {**DEFAULT_ENGINE_KWARGS, **engine_kwargs}
     return sglang.Engine(model_path=model_path, **kwargs)
+
+
+def flush_cache(engine, timeout_s: float = 60.0) -> None:
+    """Empty an engine's radix cache. SGLang refuses while the last request is still leaving the
+    scheduler (the response can arrive first), so retry until it is idle."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.flush_cache().success:
+        assert time.monotonic() < deadline, "radix cache flush kept being refused"
+        time.sleep(0.1)
