@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import flush_cache, make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state, make_cpu_engine
 
 pytestmark = pytest.mark.engine
 
@@ -67,7 +67,7 @@ def runs(gemma_path):
             # layer 11 on, and the verify policy re-selects or reuses; the answer is dense's.
             run["again"] = engine.generate(input_ids=case.input_ids, sampling_params=greedy)
             out["runs"].append(run)
-        out["state"] = engine.get_server_info()["internal_states"][0]["uniprefill"]
+        out["state"] = idle_state(engine)
     finally:
         engine.shutdown()
     return out

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import flush_cache
+from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state
 
 pytestmark = pytest.mark.engine
 # Every engine of this module checks the host KV lengths against the device at each drop and
@@ -79,12 +78,7 @@ def _reasons(out):
 def _assert_idle_without_leak(engine):
     from uniprefill_sglang.tools.server_process import idle_pool_problems
 
-    deadline = time.monotonic() + 30
-    while True:
-        state = engine.get_server_info()["internal_states"][0]["uniprefill"]
-        if state["idle"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    state = idle_state(engine, timeout_s=30)
     assert idle_pool_problems(state) == [], state
 
 

@@ -14,11 +14,10 @@ import asyncio
 import math
 import os
 import random
-import time
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import flush_cache
+from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state
 
 pytestmark = pytest.mark.engine
 os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
@@ -37,20 +36,6 @@ def _ids(rng, n):
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def _state(engine):
-    return engine.get_server_info()["internal_states"][0]["uniprefill"]
-
-
-def _wait_idle(engine):
-    deadline = time.monotonic() + 60
-    while True:
-        state = _state(engine)
-        if state["idle"]:
-            return state
-        assert time.monotonic() < deadline, "the engine never became idle"
-        time.sleep(0.2)
-
-
 def _abort_mid_prefill(engine, ids, rid):
     async def run():
         task = asyncio.ensure_future(engine.async_generate(input_ids=ids, sampling_params=GREEDY,
@@ -67,17 +52,17 @@ def _workload(engine):
     doc = _ids(rng, 2000)
     run = {"follow": [engine.generate(input_ids=doc + _ids(rng, 150), sampling_params=GREEDY)
                       ["output_ids"] for _ in range(2)]}
-    run["idle_after_follow"] = _wait_idle(engine)
+    run["idle_after_follow"] = idle_state(engine)
     batch = [_ids(rng, rng.randint(1900, 2300)) for _ in range(6)]
     run["batch_tokens"] = sum(len(ids) for ids in batch)
     run["batch"] = [out["output_ids"] for out in engine.generate(input_ids=batch,
                                                                   sampling_params=LINGER)]
-    run["idle_after_batch"] = _wait_idle(engine)
+    run["idle_after_batch"] = idle_state(engine)
     run["aborted"] = _abort_mid_prefill(engine, _ids(rng, 2900), "staged-abort")
-    run["idle_after_abort"] = _wait_idle(engine)
+    run["idle_after_abort"] = idle_state(engine)
     run["after_abort"] = engine.generate(input_ids=batch[0], sampling_params=LINGER)["output_ids"]
     flush_cache(engine)
-    run["flushed"] = _wait_idle(engine)
+    run["flushed"] = idle_state(engine)
     return run
 
 
@@ -144,7 +129,7 @@ def test_a_fault_after_some_drops_reruns_dense_with_every_stage_slot_back(smollm
                              uniprefill_stage_kv_fraction="0.6,0.4", **COMMON)
     try:
         faulted = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        state = _wait_idle(engine)
+        state = idle_state(engine)
         assert engine.flush_cache().success
         dense = [engine.generate(input_ids=p, sampling_params={
             **GREEDY, "custom_params": {"uniprefill": False}}) for p in prompts]

@@ -162,3 +162,18 @@ def flush_cache(engine, timeout_s: float = 60.0) -> None:
     while not engine.flush_cache().success:
         assert time.monotonic() < deadline, "radix cache flush kept being refused"
         time.sleep(0.1)
+
+
+def uniprefill_state(engine) -> dict:
+    """The scheduler's `uniprefill` state (patches/scheduler.py) from `get_server_info`."""
+    return engine.get_server_info()["internal_states"][0]["uniprefill"]
+
+
+def idle_state(engine, timeout_s: float = 60.0) -> dict:
+    """The `uniprefill` state once the scheduler is idle. A response can arrive before its
+    request has left the scheduler, and the pool checks (`kv_pool_problems`) run only when idle."""
+    deadline = time.monotonic() + timeout_s
+    while not (state := uniprefill_state(engine))["idle"]:
+        assert time.monotonic() < deadline, "the engine never became idle"
+        time.sleep(0.2)
+    return state
