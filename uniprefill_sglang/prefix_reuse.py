@@ -122,6 +122,33 @@ class PrefixReuse:
         stages = runtime.stages
         self.stage0_layers = [l for l in range(stages.num_layers) if stages.stage(l) == 0]
 
+    def prefix_action(self, ctx, b: int, d):
+        """What request b does with its cached prefix at the first drop, known from the host
+        before the forward: (action, why). action: None (no cached prefix to report), "keep"
+        (it reads the cache as it is; why says why, if not by policy), "restore" (a dense
+        request gets the dropped tokens back), VERIFY (scores it first) or RESELECT."""
+        cached = d.cached_len
+        if d.restore_prefix:
+            if ctx.prefix_valid[b][-1] >= cached:
+                return "keep", "cached prefix holds every token"
+            if cached != ctx.fixed_lens[b]:
+                return "keep", "cached prefix not contiguous with this step's rows"
+            return "restore", None
+        if not d.enabled or cached <= 0:
+            return None, None
+        if d.prefix_policy not in NEEDS_CHECKPOINT:
+            return "keep", None
+        parked = self.runtime.parking.get(d.rid)
+        if cached != (parked.start_pos if parked is not None else ctx.fixed_lens[b]):
+            return "keep", "cached prefix not contiguous with this step's rows"
+        if d.prefix_policy == VERIFY:
+            if cached <= self.runtime.config.sink_tokens:
+                return RESELECT, "short cached prefix"
+            if ctx.prefix_valid[b][1] >= cached:  # (parked rows hold stage 0 only)
+                return "keep", "cached prefix holds every token past the first drop"
+            return VERIFY, None
+        return RESELECT, None
+
     def rejoining_prefixes(self, ctx, layer, q) -> Dict[int, ParkedRows]:
         """At the first drop layer: per request that re-selects, its cached prefix as rows that
         rejoin here (moved to private slots). Records every cached-prefix request's outcome."""
@@ -132,34 +159,14 @@ class PrefixReuse:
         candidates: List[int] = []  # requests that may re-select
         verifying: List[int] = []
         for b, d in enumerate(ctx.plan.decisions):
-            cached = d.cached_len
-            if d.restore_prefix:  # a dense request: back to every token, if any is missing
-                outcome = ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
-                if ctx.prefix_valid[b][-1] >= cached:
-                    outcome.why = "cached prefix holds every token"
-                elif cached != ctx.fixed_lens[b]:
-                    outcome.why = "cached prefix not contiguous with this step's rows"
-                else:
-                    candidates.append(b)
+            action, why = self.prefix_action(ctx, b, d)
+            if action is None:
                 continue
-            if not d.enabled or cached <= 0 or d.prefix_policy not in NEEDS_CHECKPOINT:
-                if d.enabled and cached > 0:
-                    ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
-                continue
-            outcome = ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, cached)
-            parked = rt.parking.get(d.rid)
-            if cached != (parked.start_pos if parked is not None else ctx.fixed_lens[b]):
-                outcome.why = "cached prefix not contiguous with this step's rows"
-                continue
-            if d.prefix_policy == VERIFY:
-                if cached <= rt.config.sink_tokens:
-                    outcome.why = "short cached prefix"
-                elif ctx.prefix_valid[b][1] >= cached:  # (parked rows hold stage 0 only)
-                    outcome.why = "cached prefix holds every token past the first drop"
-                    continue
-                else:
-                    verifying.append(b)
-            candidates.append(b)
+            ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, d.cached_len, why=why)
+            if action == VERIFY:
+                verifying.append(b)
+            if action != "keep":
+                candidates.append(b)
         if not candidates:
             return {}
         if self.checkpoint is None:
