@@ -21,6 +21,8 @@ hooks are listed by its adapter (`StageViewAdapter.hooks()`) and registered here
 * `TritonAttnBackend` (uniprefill_sglang/backends/triton.py): `forward_extend`,
   `forward_decode`, `init_forward_metadata`, `init_forward_metadata_out_graph` (AROUND) and
   `init_cuda_graph_state` (AFTER): the same views, built on the device without host syncs.
+* `GDNAttnBackend.forward_extend` (AROUND): after a drop, a Gated DeltaNet layer runs its
+  convolution and recurrence over the survivors (uniprefill_sglang/backends/linear_attention.py).
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType

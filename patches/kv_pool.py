@@ -37,6 +37,8 @@ def _uniprefill_args(kvc):
 
 def _plan_layout(kvc, config):
     """The staged layout for this model, or None (shared layout, or nothing to drop)."""
+    from uniprefill_sglang.architectures import config_layer_types
+    from uniprefill_sglang.architectures import lookup as architecture_entry
     from uniprefill_sglang.config import (attention_backend_names,
                                           unsupported_architecture_reason, validate_for_model)
     from uniprefill_sglang.stage_pools import StageLayout, default_stage_fractions
@@ -53,8 +55,13 @@ def _plan_layout(kvc, config):
     hf_config = kvc.model_config.hf_config
     text_config = getattr(hf_config, "text_config", hf_config)
     architectures = getattr(hf_config, "architectures", None) or []
-    layer_types = getattr(text_config, "layer_types", None)
+    layer_types = config_layer_types(text_config)
     if unsupported_architecture_reason(architectures, layer_types, backends):
+        return None
+    entry = architecture_entry(architectures)
+    if entry is not None and entry.recurrent_state:
+        # Its KV pool (HybridLinearKVPool) holds the full-attention layers only.
+        logger.info("UniPrefill: %s keeps the shared KV layout", ", ".join(architectures))
         return None
     num_layers = text_config.num_hidden_layers
     drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types,

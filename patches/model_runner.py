@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
+    from uniprefill_sglang.architectures import config_layer_types
     from uniprefill_sglang.architectures import lookup as architecture_entry
     from uniprefill_sglang.config import (attention_backend_names,
                                           unsupported_architecture_reason, validate_for_model)
@@ -34,7 +35,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     text_config = getattr(hf_config, "text_config", hf_config)
     num_layers = text_config.num_hidden_layers
     architectures = getattr(hf_config, "architectures", None) or []
-    layer_types = getattr(text_config, "layer_types", None)
+    layer_types = config_layer_types(text_config)
     backends = attention_backend_names(server_args)
     drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types,
                                      attention_backends=backends)

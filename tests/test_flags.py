@@ -93,6 +93,27 @@ def test_gemma3_drops_at_its_global_layers_from_60_percent_depth():
                            ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES)
 
 
+def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():
+    from types import SimpleNamespace
+
+    from uniprefill_sglang.architectures import config_layer_types
+
+    default = build_config(**DEFAULTS)
+    # Qwen3-Next-80B: 48 layers, full attention every fourth from 3; SGLang's own config names
+    # the kinds in layers_block_type ("attention" / "linear_attention"), transformers' in
+    # layer_types.
+    blocks = (["linear_attention"] * 3 + ["attention"]) * 12
+    kinds = config_layer_types(SimpleNamespace(layers_block_type=blocks))
+    assert kinds == tuple((["linear_attention"] * 3 + ["full_attention"]) * 12)
+    assert config_layer_types(SimpleNamespace(layer_types=list(kinds))) == kinds
+    assert config_layer_types(SimpleNamespace()) is None
+    assert validate_for_model(default, ["Qwen3NextForCausalLM"], 48,
+                              layer_types=kinds) == (31, 35, 39, 43)
+    with pytest.raises(UniPrefillConfigError, match="not a full-attention layer"):
+        validate_for_model(build_config(**{**DEFAULTS, "drop_layers": "30"}),
+                           ["Qwen3NextForCausalLM"], 48, layer_types=kinds)
+
+
 def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them():
     default = build_config(**DEFAULTS)
     # Gemma 3 on a backend whose adapter has no sliding-window view: dense, saying why.

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"
 
 # The paper's schedule for the 32-layer Llama-3.1-8B; other depths scale it proportionally.
 _REFERENCE_DEPTH = 32
@@ -72,6 +73,12 @@ class Architecture:
     default_drop_layers: Callable[[int, Sequence[int]], tuple] = scaled_reference_layers
     # Its default top-p where it differs from config.DEFAULT_TOP_P (None: the general default).
     top_p: Optional[float] = None
+    # Layers with a recurrent state (linear attention). SGLang caches that state per prefix
+    # (MambaRadixCache), and after a drop a later layer's state covers the survivors only, which
+    # the prefix policies (prefix_reuse.py) do not model: UniPrefill turns the radix cache off
+    # for such a family. Its KV pool holds the full-attention layers only: it keeps the shared
+    # KV layout.
+    recurrent_state: bool = False
 
 
 ARCHITECTURES: Tuple[Architecture, ...] = (
@@ -81,6 +88,15 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     Architecture(frozenset({"Gemma3ForCausalLM"}), GEMMA3,
                  layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
                  default_drop_layers=full_layers_from_depth(0.6), top_p=0.975),
+    # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, each called as
+    # layer(positions=..., hidden_states=..., residual=..., forward_batch=...), its attention
+    # output added to the residual stream by post_attention_layernorm. After a drop the linear
+    # layers run their convolution and recurrence over the survivors
+    # (backends/linear_attention.py). The paper's code ships no drop list for it; the Gemma 3
+    # rule (full-attention layers from 60% depth) is the default.
+    Architecture(frozenset({"Qwen3NextForCausalLM"}), LLAMA,
+                 layer_kinds=frozenset({FULL_ATTENTION, LINEAR_ATTENTION}),
+                 default_drop_layers=full_layers_from_depth(0.6), recurrent_state=True),
 )
 
 BY_NAME: Dict[str, Architecture] = {n: a for a in ARCHITECTURES for n in a.names}
@@ -92,6 +108,27 @@ def lookup(architectures: Sequence[str]) -> Optional[Architecture]:
         if name in BY_NAME:
             return BY_NAME[name]
     return None
+
+
+# SGLang's own config of a hybrid linear model (Qwen3-Next) names the kinds in
+# `layers_block_type`, its full-attention layers "attention", and keeps no `layer_types`.
+_BLOCK_TYPE_KINDS = {"attention": FULL_ATTENTION, FULL_ATTENTION: FULL_ATTENTION,
+                     LINEAR_ATTENTION: LINEAR_ATTENTION}
+
+
+def config_layer_types(text_config) -> Optional[Tuple[str, ...]]:
+    """A model config's per-layer attention kinds (Hugging Face `layer_types`, or SGLang's
+    `layers_block_type`), or None when it names none (every layer full attention)."""
+    kinds = getattr(text_config, "layer_types", None)
+    if kinds:
+        return tuple(kinds)
+    try:
+        blocks = getattr(text_config, "layers_block_type", None)
+    except (AttributeError, TypeError):
+        blocks = None
+    if not blocks:
+        return None
+    return tuple(_BLOCK_TYPE_KINDS.get(b, b) for b in blocks)
 
 
 def layer_kinds(layer_types: Optional[Sequence[str]], num_layers: int) -> Tuple[str, ...]:

@@ -70,8 +70,12 @@ def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape) -> None:
             inputs["hidden_states"], inputs["residual"] = ctx.apply_pending(
                 inputs["hidden_states"], inputs["residual"])
         ctx.finish_pending()
-        positions = inputs["positions"]  # [n] (Llama) or [1, n] (Gemma 3)
-        inputs["positions"] = ctx.positions.reshape(*positions.shape[:-1], -1)
+        # A layer may take the positions by name or through **kwargs (Qwen3-Next's linear
+        # layers, which do not use them).
+        named = inputs if "positions" in inputs else _var_keywords(signature, inputs)
+        positions = named.get("positions")
+        if positions is not None:  # [n] (Llama) or [1, n] (Gemma 3)
+            named["positions"] = ctx.positions.reshape(*positions.shape[:-1], -1)
         for name, module in position_inputs:
             if inputs.get(name) is not None and module is not None:
                 inputs[name] = _survivor_position_input(ctx, name, module,
@@ -79,6 +83,14 @@ def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape) -> None:
         return original(*bound.args, **bound.kwargs)
 
     layer.forward = forward
+
+
+def _var_keywords(signature, inputs) -> dict:
+    """The dict a signature's **kwargs parameter collected in `inputs` (empty if none)."""
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            return inputs.setdefault(name, {})
+    return {}
 
 
 def _survivor_position_input(ctx, name, module, hidden_states):
@@ -164,8 +176,9 @@ def install(model: nn.Module, runtime, architecture) -> bool:
     if any(getattr(layer, shape.residual_norm, None) is None
            for layer, attn in attending if attn.layer_id in drop_layers):
         return False
-    for layer, attn in attending:
+    for layer in layers:  # linear-attention layers too: they run on the survivors
         _wrap_layer_entry(layer, model.model, shape)
+    for layer, attn in attending:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]
             _wrap_drop_attention(attn, runtime, first_drop)

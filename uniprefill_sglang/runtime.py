@@ -58,7 +58,9 @@ class UniPrefillRuntime:
         self.report_kept_positions = environ.REPORT_KEPT.get()
         self.check_kv_lens = environ.CHECK_KV_LENS.get()
         self.test_fault = environ.TEST_FAULT.get()
-        num_slots = token_to_kv_pool.get_key_buffer(0).shape[0]
+        # Rows of a full-attention layer's buffer (a hybrid model's pool maps layer ids).
+        num_slots = token_to_kv_pool.get_key_buffer(
+            stages.drop_layers[0] if stages.drop_layers else 0).shape[0]
         self.slots = SlotStages(num_slots, stages.num_drops, device,
                                 _stage_pools(stages, token_to_kv_pool, allocator, device))
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
@@ -363,7 +365,9 @@ def _stage_pools(stages: LayerStages, pool, allocator, device):
 
 
 def _slot_bytes_per_layer(pool) -> list:
-    """K+V bytes of one slot, per layer of the pool."""
+    """K+V bytes of one slot, per layer of the pool (of its full-attention layers, for the pool
+    of a model with linear-attention layers)."""
+    pool = getattr(pool, "full_kv_pool", pool)
     return [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
             for k, v in zip(pool.k_buffer, pool.v_buffer)]
 

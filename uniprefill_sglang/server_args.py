@@ -15,6 +15,7 @@ from typing import Optional
 from sglang.srt.arg_groups.arg_utils import A, Arg
 from sglang.srt.server_args import ServerArgs
 
+from uniprefill_sglang.architectures import config_layer_types
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
@@ -244,7 +245,7 @@ class UniPrefillServerArgs(ServerArgs):
             self.uniprefill_config(),
             getattr(hf_config, "architectures", None) or [],
             text_config.num_hidden_layers,
-            layer_types=getattr(text_config, "layer_types", None),
+            layer_types=config_layer_types(text_config),
             attention_backends=attention_backend_names(self),
         )
 
@@ -262,6 +263,7 @@ class UniPrefillServerArgs(ServerArgs):
             return
         text_config = getattr(hf_config, "text_config", hf_config)
         architectures = getattr(hf_config, "architectures", None) or []
+        self._apply_architecture_prefix_cache(architectures)
         num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
         if self.uniprefill_profile is None:
             shipped = find_shipped_profile(architectures, num_layers, hidden_size)
@@ -280,9 +282,20 @@ class UniPrefillServerArgs(ServerArgs):
         config = self.uniprefill_config()
         logger.info("UniPrefill profile %s: drop layers %s, %s, block size %d", profile.path,
                     list(config.resolved_drop_layers(num_layers, architectures,
-                                                     getattr(text_config, "layer_types", None))),
+                                                     config_layer_types(text_config))),
                     f"keep ratio {config.keep_ratio}" if config.keep_ratio else f"top-p {config.top_p}",
                     config.block_size)
+
+    def _apply_architecture_prefix_cache(self, architectures):
+        """A family whose recurrent state SGLang caches per prefix runs without the radix cache
+        (architectures.Architecture.recurrent_state says why)."""
+        entry = architecture_entry(architectures)
+        if entry is None or not entry.recurrent_state or self.disable_radix_cache:
+            return
+        self.disable_radix_cache = True
+        logger.warning("UniPrefill: the radix cache is off for %s: its recurrent state is cached "
+                       "per prefix, and prefix reuse over dropped tokens is not built for it",
+                       ", ".join(architectures))
 
     def _apply_architecture_top_p(self, architectures):
         """An architecture's own default top-p (architectures.py) where no flag or profile

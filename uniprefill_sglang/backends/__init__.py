@@ -1,13 +1,13 @@
-"""Adapters that teach SGLang attention backends the per-stage (sparse) KV views: one
-`common.StageViewAdapter` per backend."""
+"""Adapters that teach SGLang attention backends the per-stage (sparse) KV views, and the
+linear-attention backend to run on the survivors: one `common.StageViewAdapter` per backend."""
 
 from typing import Optional, Tuple
 
 
 def adapters() -> Tuple:
-    from uniprefill_sglang.backends import flashinfer, torch_native, triton
+    from uniprefill_sglang.backends import flashinfer, linear_attention, torch_native, triton
 
-    return (flashinfer.ADAPTER, triton.ADAPTER, torch_native.ADAPTER)
+    return (flashinfer.ADAPTER, triton.ADAPTER, torch_native.ADAPTER, linear_attention.ADAPTER)
 
 
 def staged_layout_unsupported(backend) -> Optional[str]:

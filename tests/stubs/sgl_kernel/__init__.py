@@ -15,7 +15,12 @@ with ``spawn`` and they must import the stub too). Then:
   all succeed: every submodule is synthesised on demand by a meta-path finder;
 * every name looked up on those modules is a ``_StubKernel`` object; calling it (or calling any
   attribute reached from it) raises ``RuntimeError("sgl_kernel CPU stub: <name> called")``, so
-  any real use of a kernel is loud instead of silently wrong.
+  any real use of a kernel is loud instead of silently wrong;
+* but for the Gated DeltaNet layer (Qwen3-Next): its CPU kernels, ``sgl_kernel.mamba``'s
+  ``causal_conv1d_fn_cpu``, ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu`` and
+  ``torch.ops.sgl_kernel``'s ``fused_gdn_gating_cpu`` and
+  ``fused_sigmoid_gating_delta_rule_update_cpu``, run the torch references of
+  ``uniprefill_sglang.tools.gdn_reference``.
 
 ``uniprefill_sglang.tools.cpu_engine.cpu_engine_env()`` builds the right ``PYTHONPATH``.
 """
@@ -65,6 +70,31 @@ def _module_getattr(modname: str):
 __getattr__ = _module_getattr(__name__)
 
 
+def _gdn_kernels() -> dict:
+    """The Gated DeltaNet CPU kernels SGLang calls, by name, as their torch references."""
+    from uniprefill_sglang.tools import gdn_reference as ref
+
+    return {"causal_conv1d_fn_cpu": ref.causal_conv1d_varlen,
+            "causal_conv1d_update_cpu": ref.causal_conv1d_step,
+            "chunk_gated_delta_rule_cpu": ref.gated_delta_rule_varlen,
+            "fused_gdn_gating_cpu": ref.gdn_gating,
+            "fused_sigmoid_gating_delta_rule_update_cpu": ref.gated_delta_rule_decode}
+
+
+_MAMBA_KERNELS = ("causal_conv1d_fn_cpu", "causal_conv1d_update_cpu",
+                  "chunk_gated_delta_rule_cpu")
+_TORCH_OPS = ("fused_gdn_gating_cpu", "fused_sigmoid_gating_delta_rule_update_cpu")
+
+
+def _register_torch_ops() -> None:
+    """SGLang looks these up on ``torch.ops.sgl_kernel`` when its GDN backend is imported."""
+    import torch
+
+    kernels = _gdn_kernels()
+    for name in _TORCH_OPS:
+        setattr(torch.ops.sgl_kernel, name, kernels[name])
+
+
 class _StubLoader(importlib.abc.Loader):
     def create_module(self, spec):
         return types.ModuleType(spec.name)
@@ -73,6 +103,11 @@ class _StubLoader(importlib.abc.Loader):
         module.__getattr__ = _module_getattr(module.__name__)
         module.__doc__ = f"sgl_kernel CPU test stub submodule {module.__name__}"
         module.IS_UNIPREFILL_TEST_STUB = True
+        if module.__name__ == __name__ + ".mamba":
+            kernels = _gdn_kernels()
+            for name in _MAMBA_KERNELS:
+                setattr(module, name, kernels[name])
+            _register_torch_ops()
 
 
 class _StubFinder(importlib.abc.MetaPathFinder):

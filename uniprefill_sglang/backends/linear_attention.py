@@ -1,0 +1,78 @@
+"""Gated DeltaNet (linear-attention) layers after a drop: their convolution and recurrence run
+over the survivors only, in position order, so the state a request carries into decode is the
+state over its survivors.
+
+SGLang's GDN backend reads a packed batch through its forward metadata (`query_start_loc`: each
+request's rows; `mamba_cache_indices`: each request's state slot) and the ForwardBatch's
+`extend_prefix_lens` (a request with earlier tokens starts from its slot's state) and
+`extend_seq_lens_cpu`. After a drop the rows are the survivors (`ctx.lens` per request), so a
+linear layer of a later stage runs with those fields describing them:
+
+* `query_start_loc` from `ctx.lens`;
+* a request starts from its slot's state where the survivors of earlier forwards passed
+  through this layer (`ctx.fixed_lens` > 0). A final chunk whose parked rows rejoin at the
+  first drop starts from the prompt's beginning (`fixed_lens` 0): its earlier chunks stopped
+  at the first drop, so no row reached this layer before;
+* a chunk that parks in this forward goes on with one row (the logits SGLang expects, then
+  discarded): its state slot is left alone (index -1, which the kernels skip).
+
+Decode steps and the layers before the first drop run upstream code unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from uniprefill_sglang.backends.common import StageViewAdapter, active_runtime
+from uniprefill_sglang.context import current
+
+
+class GDNAdapter(StageViewAdapter):
+    target = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
+    State = dict
+
+    def hooks(self):
+        return [("forward_extend", forward_extend, "around")]
+
+
+ADAPTER = GDNAdapter()
+
+
+def survivors_view(ctx, metadata, fb):
+    """(metadata, prefix lens, host row counts) describing the survivors of `ctx`."""
+    device = metadata.query_start_loc.device
+    lens = torch.tensor(ctx.lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(len(ctx.lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=query_start_loc[1:])
+    view = copy.copy(metadata)
+    view.query_start_loc = query_start_loc.to(device)
+    if ctx.parked_now:
+        slots = metadata.mamba_cache_indices.clone()
+        slots[torch.tensor(ctx.parked_now, device=slots.device)] = -1
+        view.mamba_cache_indices = slots
+    prefix_lens = torch.tensor(ctx.fixed_lens, dtype=fb.extend_prefix_lens.dtype).to(
+        fb.extend_prefix_lens.device)
+    return view, prefix_lens, list(ctx.lens)
+
+
+def forward_extend(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """AROUND `GDNAttnBackend.forward_extend`."""
+    runtime, ctx = active_runtime(), current()
+    if (runtime is None or ctx is None or not ctx.is_extend or not ctx.compacted
+            or runtime.stages.stage(layer.layer_id) == 0):
+        return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    metadata, fb = backend.forward_metadata, forward_batch
+    if metadata.has_mamba_track_mask:
+        raise RuntimeError("UniPrefill: a linear-attention layer tracks prefix states for the "
+                           "radix cache, which UniPrefill turns off for this model")
+    view, prefix_lens, lens = survivors_view(ctx, metadata, fb)
+    saved = fb.extend_prefix_lens, fb.extend_seq_lens_cpu
+    backend.forward_metadata = view
+    fb.extend_prefix_lens, fb.extend_seq_lens_cpu = prefix_lens, lens
+    try:
+        return original(backend, layer, fb, mixed_qkv, a, b, **kwargs)
+    finally:
+        backend.forward_metadata = metadata
+        fb.extend_prefix_lens, fb.extend_seq_lens_cpu = saved
