@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from uniprefill_sglang.tools import gdn_reference as ref
-from uniprefill_sglang.tools.cpu_engine import idle_state, make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import idle_state, make_cpu_engine, triton_interpreter
 
 CONFIG = dict(
     architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=512,
@@ -113,19 +113,12 @@ def test_causal_conv_reference_matches_transformers(seed):
 # ---- the engine --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The reduced Qwen3-Next, random weights (seeded), as a Hugging Face folder."""
-    import json
+    """The reduced Qwen3-Next, random weights (seeded), as a Hugging Face folder. The config is
+    written as given: SGLang reads the layer kinds from `full_attention_interval`."""
+    pytest.importorskip("transformers")
+    from uniprefill_sglang.tools.model_zoo import random_model
 
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("qwen3_next")
-    torch.manual_seed(0)
-    hf_config = transformers.Qwen3NextConfig(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    # SGLang reads the layer kinds from `full_attention_interval`, which transformers does not
-    # write back.
-    (folder / "config.json").write_text(json.dumps(dict(CONFIG, torch_dtype="float32")))
-    return str(folder)
+    return random_model(tmp_path_factory.mktemp("qwen3_next"), CONFIG)
 
 
 def _prompt(seed: int, n: int) -> list:
@@ -138,9 +131,8 @@ PROMPT, OTHER = _prompt(1, 300), _prompt(2, 220)
 
 def _engine(model_dir, **kwargs):
     # SGLang runs the model's fused Triton kernels (gated RMSNorm, shared-expert gate) on a CPU
-    # without Intel AMX only through Triton's interpreter; its scheduler inherits the variable.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
+    # without Intel AMX only through Triton's interpreter.
+    with triton_interpreter():
         return make_cpu_engine(model_dir, **ENGINE, **kwargs)
 
 

@@ -33,6 +33,8 @@ attention; decode is ~0.15 s/token at 2-6K context.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import sys
 import time
@@ -153,6 +155,22 @@ def make_cpu_engine(model_path: str, repo_root: str | os.PathLike | None = None,
 
     kwargs = {**DEFAULT_ENGINE_KWARGS, **engine_kwargs}
     return sglang.Engine(model_path=model_path, **kwargs)
+
+
+@contextlib.contextmanager
+def triton_interpreter():
+    """Engines started inside run SGLang's Triton kernels on the CPU through Triton's
+    interpreter (slow: for small models). Their scheduler processes inherit the variable when
+    they are spawned; this process gets its environment back afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
 def flush_cache(engine, timeout_s: float = 60.0) -> None:

@@ -186,6 +186,25 @@ def prepare_model(name: str, cache_dir: str | None = None) -> str:
     return MODELS[name](cache_dir)
 
 
+def random_model(folder: str | os.PathLike, config: dict, seed: int = 0) -> str:
+    """A Hugging Face folder holding a model built by transformers from `config` (its
+    `model_type` picks the family) with seeded random weights, in float32; the config is
+    written as given (SGLang may read keys transformers would rewrite). For tests of families
+    no PyPI package ships, or of models small enough for Triton's interpreter."""
+    import json
+
+    import torch
+    import transformers
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    hf_config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "config.json").write_text(json.dumps(dict(config, torch_dtype="float32")))
+    return str(folder)
+
+
 def _prepare(cache_dir, folder_name, find_gguf, fix_tokenizer, make_tokenizer=None) -> str:
     cache = Path(cache_dir or default_cache_dir())
     target = cache / folder_name
