@@ -25,13 +25,12 @@ import copy
 
 import torch
 
-from uniprefill_sglang.backends.common import StageViewAdapter, active_runtime
+from uniprefill_sglang.backends.common import StageViewAdapter, active_runtime, view_cache
 from uniprefill_sglang.context import current
 
 
 class GDNAdapter(StageViewAdapter):
     target = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
-    State = dict
 
     def hooks(self):
         return [("forward_extend", forward_extend, "around")]
@@ -40,8 +39,12 @@ class GDNAdapter(StageViewAdapter):
 ADAPTER = GDNAdapter()
 
 
-def survivors_view(ctx, metadata, fb):
-    """(metadata, prefix lens, host row counts) describing the survivors of `ctx`."""
+def survivors_view(ctx, metadata, fb, stage: int):
+    """(metadata, prefix lens, host row counts) describing the survivors of `ctx` to the linear
+    layers of `stage`: built once per stage per forward (the rows change only at a drop)."""
+    cache = view_cache(ctx, "_uniprefill_gdn_views")
+    if stage in cache:
+        return cache[stage]
     device = metadata.query_start_loc.device
     lens = torch.tensor(ctx.lens, dtype=torch.int32)
     query_start_loc = torch.zeros(len(ctx.lens) + 1, dtype=torch.int32)
@@ -54,20 +57,21 @@ def survivors_view(ctx, metadata, fb):
         view.mamba_cache_indices = slots
     prefix_lens = torch.tensor(ctx.fixed_lens, dtype=fb.extend_prefix_lens.dtype).to(
         fb.extend_prefix_lens.device)
-    return view, prefix_lens, list(ctx.lens)
+    cache[stage] = view, prefix_lens, list(ctx.lens)
+    return cache[stage]
 
 
 def forward_extend(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
     """AROUND `GDNAttnBackend.forward_extend`."""
     runtime, ctx = active_runtime(), current()
-    if (runtime is None or ctx is None or not ctx.is_extend or not ctx.compacted
-            or runtime.stages.stage(layer.layer_id) == 0):
+    stage = runtime.stages.stage(layer.layer_id) if runtime is not None else 0
+    if ctx is None or not ctx.is_extend or not ctx.compacted or stage == 0:
         return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     metadata, fb = backend.forward_metadata, forward_batch
     if metadata.has_mamba_track_mask:
         raise RuntimeError("UniPrefill: a linear-attention layer tracks prefix states for the "
                            "radix cache, which UniPrefill turns off for this model")
-    view, prefix_lens, lens = survivors_view(ctx, metadata, fb)
+    view, prefix_lens, lens = survivors_view(ctx, metadata, fb, stage)
     saved = fb.extend_prefix_lens, fb.extend_seq_lens_cpu
     backend.forward_metadata = view
     fb.extend_prefix_lens, fb.extend_seq_lens_cpu = prefix_lens, lens
