@@ -34,7 +34,6 @@ attention; decode is ~0.15 s/token at 2-6K context.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import sys
 import time
