@@ -59,20 +59,14 @@ def causal_conv1d_step(x: torch.Tensor, conv_states: torch.Tensor, weight: torch
                        bias: Optional[torch.Tensor], activation="silu",
                        conv_state_indices: Optional[torch.Tensor] = None,
                        **_ignored) -> torch.Tensor:
-    """One decode token per row: x [B, dim] -> [B, dim], each row's slot shifted by one."""
+    """One decode token per row: x [B, dim] -> [B, dim], each row a sequence of one token that
+    starts from its slot's state."""
+    rows = x.shape[0]
     slots = (conv_state_indices if conv_state_indices is not None
-             else torch.arange(x.shape[0], device=x.device))
-    out = torch.zeros_like(x)
-    for row, slot in enumerate(slots.tolist()):
-        if slot < 0:
-            continue
-        seq = torch.cat([conv_states[slot].to(x.dtype), x[row].unsqueeze(1)], dim=1)
-        y = (seq.float() * weight.float()).sum(-1)
-        if bias is not None:
-            y = y + bias.float()
-        out[row] = _activate(y, activation).to(x.dtype)
-        conv_states[slot] = seq[:, 1:].to(conv_states.dtype)
-    return out
+             else torch.arange(rows, device=x.device))
+    one_each = torch.arange(rows + 1, device=x.device)
+    return causal_conv1d_varlen(x.T, weight, bias, conv_states, one_each, slots,
+                                torch.ones(rows, dtype=torch.bool), activation).T
 
 
 def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor,
