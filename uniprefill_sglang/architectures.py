@@ -110,25 +110,16 @@ def lookup(architectures: Sequence[str]) -> Optional[Architecture]:
     return None
 
 
-# SGLang's own config of a hybrid linear model (Qwen3-Next) names the kinds in
-# `layers_block_type`, its full-attention layers "attention", and keeps no `layer_types`.
-_BLOCK_TYPE_KINDS = {"attention": FULL_ATTENTION, FULL_ATTENTION: FULL_ATTENTION,
-                     LINEAR_ATTENTION: LINEAR_ATTENTION}
-
-
 def config_layer_types(text_config) -> Optional[Tuple[str, ...]]:
     """A model config's per-layer attention kinds (Hugging Face `layer_types`, or SGLang's
-    `layers_block_type`), or None when it names none (every layer full attention)."""
-    kinds = getattr(text_config, "layer_types", None)
-    if kinds:
-        return tuple(kinds)
-    try:
-        blocks = getattr(text_config, "layers_block_type", None)
-    except (AttributeError, TypeError):
-        blocks = None
-    if not blocks:
+    `layers_block_type`), or None when it names none (every layer full attention). SGLang's
+    own config of a hybrid linear model (Qwen3-Next) keeps no `layer_types` and names its
+    full-attention layers "attention"."""
+    kinds = (getattr(text_config, "layer_types", None)
+             or getattr(text_config, "layers_block_type", None))
+    if not kinds:
         return None
-    return tuple(_BLOCK_TYPE_KINDS.get(b, b) for b in blocks)
+    return tuple(FULL_ATTENTION if k == "attention" else k for k in kinds)
 
 
 def layer_kinds(layer_types: Optional[Sequence[str]], num_layers: int) -> Tuple[str, ...]:
