@@ -22,6 +22,7 @@ from uniprefill_sglang.config import (
 )
 from uniprefill_sglang.kernels.reference import score_segment_reference, select_segment_reference
 from uniprefill_sglang.selection import DropCandidates, SelectionRule, select_survivors_reference
+from uniprefill_sglang.tools.cpu_engine import uniprefill_state
 
 SMOLLM2 = cal.ModelShape("LlamaForCausalLM", 30, 576, 1536, 9, 3, 64, 8192)
 FLAGS = dict(top_p=None, keep_ratio=None, block_size=None, sink_tokens=128, last_queries=128,
@@ -221,6 +222,6 @@ def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path
     assert out.with_suffix(".png").stat().st_size > 0
 
     engine = engine_factory(enable_uniprefill=True, uniprefill_profile=str(out))
-    state = engine.get_server_info()["internal_states"][0]["uniprefill"]
+    state = uniprefill_state(engine)
     assert state["drop_layers"] == data["schedule"]["drop_layers"]
     assert state["drop_layers"] != list(default_drop_layers(30))

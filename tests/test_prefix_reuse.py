@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import flush_cache
+from uniprefill_sglang.tools.cpu_engine import flush_cache, uniprefill_state
 
 pytestmark = pytest.mark.engine
 os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
@@ -57,7 +57,7 @@ def _reference(engine, ids):
 
 def _assert_idle(engine):
     flush_cache(engine)
-    state = engine.get_server_info()["internal_states"][0]["uniprefill"]
+    state = uniprefill_state(engine)
     assert state["idle"] and state["parked_requests"] == 0, state
     assert state["private_prefix_slots"] == 0, state
     assert state["available_kv_tokens"] == state["max_total_num_tokens"], state
