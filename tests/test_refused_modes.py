@@ -103,3 +103,21 @@ def test_launch_server_exits_with_the_message(launcher_runs, mode_id, message):
     assert "UniPrefillConfigError" in output and message in output, output[-3000:]
     # Refused during argument parsing: no model weights were loaded.
     assert "Load weight begin" not in output, output[-3000:]
+
+
+@pytest.mark.engine
+def test_start_up_refuses_a_hook_that_did_not_resolve(smollm2_path):
+    """SGLang's hook loader only logs a target it cannot resolve; the plugin refuses to start
+    and names it (a test-only hook on a target no SGLang has)."""
+    from uniprefill_sglang.patches import BROKEN_TEST_TARGET
+    from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
+
+    env = {**os.environ, **cpu_engine_env(REPO_ROOT), "UNIPREFILL_TEST_FAULT": "hook"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", *_base(smollm2_path),
+         "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", "1"],
+        env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert f"hook target(s) {BROKEN_TEST_TARGET} did not resolve on SGLang" in output, \
+        output[-3000:]
