@@ -3,7 +3,9 @@
 Why: after a drop the hidden states hold only the survivors, while the processor finds each
 request's last token from the ForwardBatch's original extend lengths. The last token always
 survives, so pointing it at the compacted lengths gives the same logits. The per-stage kept
-counts are returned through `customized_info`, which SGLang copies into `meta_info`.
+counts are returned through `customized_info`, which SGLang copies into `meta_info` (under
+UNIPREFILL_CHECK_KV_LENS also `kv_missing`: per later stage, the request's tokens whose KV the
+device slot map says that stage lacks).
 """
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -28,6 +30,12 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
         logits_metadata.extend_seq_lens = ctx.lens_tensor.to(logits_metadata.extend_seq_lens.dtype)
     output = original(processor, input_ids, hidden_states, lm_head, logits_metadata,
                       *args, **kwargs)
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    missing = None
+    if runtime is not None and runtime.check_kv_lens and runtime.has_schedule:
+        missing = runtime.missing_kv(ctx.forward_batch)
     info = []
     for b, decision in enumerate(ctx.plan.decisions):
         entry = {
@@ -37,6 +45,8 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
         }
         if b in ctx.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
             entry["prefix"] = ctx.prefix_outcomes[b].as_dict()
+        if missing is not None:  # UNIPREFILL_CHECK_KV_LENS=1: the device slot map
+            entry["kv_missing"] = missing[b]
         if ctx.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
             entry["kept_digest"] = [stage[b] for stage in ctx.kept_digest]
         info.append(entry)

@@ -3,10 +3,15 @@
 * `init_attention_backends` (AFTER): the model, KV pool and backends exist now (and no CUDA graph
   has been captured yet): build the UniPrefill runtime and wrap the model's layers.
 * `_forward_raw` (AROUND): open the per-forward drop context around every forward. A forward
-  in which UniPrefill acted and that raised runs once more without it (an extend: every request
-  dense, each reporting why in meta_info; a decode: with its KV lengths re-read from the device),
-  so an error in the plugin's code never takes the server down. If that run fails too, the error
-  is SGLang's and propagates as it would without the plugin. A failed debug check
+  in which UniPrefill acted and that raised runs once more without it, so an error in the
+  plugin's code never takes the server down: a decode with its KV lengths re-read from the
+  device; an extend with every request dense from its prompt's first token (parked rows of
+  earlier chunks and cached prefixes lacking tokens rejoin whole; meta_info says "UniPrefill
+  error, re-prefilled dense"). Should that dense run fail in the plugin's rejoin too, the batch
+  runs plain and the requests whose earlier chunks could not be recomputed are failed with an
+  error (patches/scheduler.py), never answered from incomplete KV. Under tensor parallelism
+  only the plugin's own errors are recovered from. Any other second failure is SGLang's and
+  propagates as it would without the plugin. A failed debug check
   (`context.CheckFailed`) is never caught: it exists to make a bookkeeping bug loud.
 """
 
@@ -31,6 +36,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     if not getattr(server_args, "enable_uniprefill", False) or model_runner.is_draft_worker:
         return result
     config = server_args.uniprefill_config()
+    _check_hooks(model_runner)
     hf_config = model_runner.model_config.hf_config
     text_config = getattr(hf_config, "text_config", hf_config)
     num_layers = text_config.num_hidden_layers
@@ -50,6 +56,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
                                 _tp_agreement(model_runner),
                                 checkpoint_shape=_checkpoint_shape(model_runner, config),
                                 allocator=model_runner.token_to_kv_pool_allocator)
+    runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
     if drop_layers and not model_integration.install(model_runner.model, runtime,
                                                      architecture_entry(architectures)):
         log_fallback_once(f"model {type(model_runner.model).__name__} does not have the decoder "
@@ -62,6 +69,35 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
     set_runtime(runtime)
     return result
+
+
+def _check_hooks(model_runner) -> None:
+    """Refuse to start when a hook this model needs did not take (SGLang only logs it)."""
+    import sglang
+
+    from uniprefill_sglang.patches import unresolved_hooks
+
+    missing = unresolved_hooks(_backend_classes(model_runner.attn_backend))
+    if missing:
+        raise RuntimeError(
+            f"UniPrefill: hook target(s) {', '.join(missing)} did not resolve on SGLang "
+            f"{sglang.__version__}; this plugin was written for SGLang 0.5.17. Start without "
+            "--enable-uniprefill, or install a supported SGLang")
+
+
+def _backend_classes(backend) -> set:
+    """Class names of an attention backend and of the backends it delegates to (a hybrid
+    model's full- and linear-attention backends)."""
+    names, todo = set(), [backend]
+    while todo:
+        b = todo.pop()
+        if b is None or type(b).__name__ in names:
+            continue
+        names.add(type(b).__name__)
+        todo += [v for k, v in vars(b).items()
+                 if k.endswith("backend") and hasattr(v, "forward_extend")]
+        todo += [v for v in getattr(b, "attn_backend_list", None) or []]
+    return names
 
 
 def _check_staged_layout(model_runner, runtime):
@@ -110,6 +146,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     runtime = get_runtime()
     if runtime is None:
         return original(model_runner, forward_batch, *args, **kwargs)
+    plan = getattr(forward_batch, "uniprefill_plan", None)
     ctx = runtime.begin_forward(forward_batch)
     try:
         result = original(model_runner, forward_batch, *args, **kwargs)
@@ -118,26 +155,61 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
             runtime.end_forward(ctx)
             raise
         logger.exception("UniPrefill: a %s forward failed in UniPrefill's code; running it again "
-                         "without it", "prefill" if ctx.is_extend else "decode")
-        runtime.abandon_forward(ctx)
-        if ctx.is_extend and ctx.plan is not None:
-            forward_batch.uniprefill_plan = ctx.plan.all_dense(
-                f"UniPrefill error, ran dense: {type(error).__name__}: {error}")
-        else:
+                         "dense", "prefill" if ctx.is_extend else "decode")
+        if not ctx.is_extend or plan is None:
+            runtime.abandon_forward(ctx)
             for row in runtime.host_rows(forward_batch):
                 runtime.kv_gaps.invalidate(row)
+            return _run_once(original, runtime, model_runner, forward_batch, *args, **kwargs)
+        if not _recoverable(runtime, error):
+            runtime.end_forward(ctx)
+            raise
+        # Dense from the prompt's first token: parked rows of earlier chunks and cached
+        # prefixes that lack tokens rejoin whole, so no later layer misses a token.
+        runtime.abandon_forward(ctx)
+        why = f"{type(error).__name__}: {error}"
+        forward_batch.uniprefill_plan = plan.all_dense(
+            f"UniPrefill error, re-prefilled dense: {why}", restore=True)
         ctx = runtime.begin_forward(forward_batch)
         try:
-            return original(model_runner, forward_batch, *args, **kwargs)
-        finally:
-            runtime.end_forward(ctx)
+            result = original(model_runner, forward_batch, *args, **kwargs)
+        except Exception as second:
+            if isinstance(second, CheckFailed) or not _uniprefill_acted(ctx):
+                runtime.end_forward(ctx)
+                raise
+            # The dense run needed UniPrefill's code too (rows rejoined) and failed: run the
+            # batch plain, and fail the requests whose earlier chunks it could not recompute.
+            logger.exception("UniPrefill: the dense re-run failed too; failing the requests "
+                             "whose earlier chunks it could not recompute")
+            runtime.abandon_forward(ctx, give_up_parking=True)
+            forward_batch.uniprefill_plan = plan.all_dense(
+                f"UniPrefill error, ran dense: {why}")
+            return _run_once(original, runtime, model_runner, forward_batch, *args, **kwargs)
     runtime.end_forward(ctx)
     return result
 
 
+def _run_once(original, runtime, model_runner, forward_batch, *args, **kwargs):
+    ctx = runtime.begin_forward(forward_batch)
+    try:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    finally:
+        runtime.end_forward(ctx)
+
+
+def _recoverable(runtime, error) -> bool:
+    """Under tensor parallelism every rank must run the same forwards: only UniPrefill's own
+    errors (raised alike on every rank, from the same host-known decisions) are recovered from;
+    anything else (e.g. an OOM on one rank) re-raises, as a rank re-running alone would hang
+    the collectives."""
+    from uniprefill_sglang.context import UniPrefillError
+
+    return runtime.tp_agreement is None or isinstance(error, UniPrefillError)
+
+
 def _uniprefill_acted(ctx) -> bool:
     """Did this forward drop, park, or read a per-stage view (so its failure may be ours)?"""
-    if ctx.is_extend and ctx.plan is not None and ctx.plan.any_enabled:
+    if ctx.acts:
         return True
     return bool(ctx.sparse) and any(ctx.sparse)
 

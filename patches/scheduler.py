@@ -7,6 +7,9 @@
   the stage pools' invariant check (`kv_pool_problems`, empty when sound), and how often
   admission was retried because drops gave stage memory back (`admission_retries`).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
+* `SchedulerBatchResultProcessor.process_batch_result_prefill` (BEFORE): a request UniPrefill
+  could not recompute after a failure in its own code (patches/model_runner.py) finishes with
+  that error instead of an answer from incomplete KV.
 * `SchedulerInvariantChecker._get_total_uncached_sizes` (AFTER): SGLang's busy-time KV check
   (`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY`) counts each running request's slots past its
   cached prefix; a request that re-selected over its prefix also holds private slots for the
@@ -37,6 +40,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "idle": bool(scheduler.is_fully_idle()),
         "parked_requests": len(runtime.parking),
         "mixed_forwards": runtime.mixed_forwards,
+        "pieced_mlp_calls": runtime.pieced_mlp_calls,
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
         "private_prefix_slots": runtime.prefix_reuse.private.held,
@@ -71,6 +75,23 @@ def _forget_aborted_chunk(original, scheduler, *args, **kwargs):
     return result
 
 
+def _fail_unrecoverable(scheduler, batch, *args, **kwargs):
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    if runtime is None or not runtime.failed_requests:
+        return
+    for req in getattr(batch, "reqs", None) or []:
+        why = runtime.failed_requests.pop(req.rid, None)
+        if why is not None:
+            req.to_finish = FINISH_ABORT(why, HTTPStatus.INTERNAL_SERVER_ERROR,
+                                         "InternalServerError")
+
+
 def _count_private_prefixes(result, checker, *args, **kwargs):
     from uniprefill_sglang.runtime import get_runtime
 
@@ -86,6 +107,9 @@ def register() -> None:
                           _add_pool_state, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
                           _forget_aborted_chunk, HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler_components.batch_result_processor."
+                          "SchedulerBatchResultProcessor.process_batch_result_prefill",
+                          _fail_unrecoverable, HookType.BEFORE)
     HookRegistry.register("sglang.srt.managers.scheduler_components.invariant_checker."
                           "SchedulerInvariantChecker._get_total_uncached_sizes",
                           _count_private_prefixes, HookType.AFTER)

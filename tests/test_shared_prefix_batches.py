@@ -145,7 +145,7 @@ def test_a_fault_in_uniprefill_never_fails_a_request(engine_factory, baseline, c
     if fault == "drop":
         assert _texts(outs) == want_dense
         for out in outs + [after]:
-            assert any("UniPrefill error, ran dense: UniPrefillError" in (r or "")
+            assert any("UniPrefill error, re-prefilled dense: UniPrefillError" in (r or "")
                        for r in _reasons(out)), out["meta_info"]["uniprefill"]
     else:
         want = _texts(baseline["keep_half"])

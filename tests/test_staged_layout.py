@@ -137,7 +137,7 @@ def test_a_fault_after_some_drops_reruns_dense_with_every_stage_slot_back(smollm
         engine.shutdown()
     assert [o["output_ids"] for o in faulted] == [o["output_ids"] for o in dense]
     for out in faulted:
-        assert any("UniPrefill error, ran dense" in (e.get("reason") or "")
+        assert any("UniPrefill error, re-prefilled dense" in (e.get("reason") or "")
                    for e in out["meta_info"]["uniprefill"]), out["meta_info"]["uniprefill"]
     assert state["kv_pool_problems"] == []
     assert [p["layers"] for p in state["kv_pools"]] == [5, 8, 8, 9]

@@ -34,6 +34,8 @@ class DecoderShape:
     # model's module that computes them as module(hidden_states, positions[None]) (Gemma 3's
     # RoPE cos/sin); recomputed for the survivors after a drop.
     position_inputs: Tuple[Tuple[str, str], ...] = ()
+    # The layer's MLP (or MoE block): row-wise, so it may run over the rows in pieces.
+    mlp: str = "mlp"
 
 
 # Llama, Mistral, Qwen2, Qwen3: input_layernorm -> self_attn -> post_attention_layernorm(h, res)

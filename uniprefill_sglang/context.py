@@ -62,6 +62,10 @@ class DropContext:
     ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
     parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking this step
     finished_parking: List[str] = dataclasses.field(default_factory=list)  # rids rejoined now
+    # Rows parked per request id when the forward began (a failed forward is rolled back to
+    # them), and whether parked rows rejoin in this forward even though no request drops.
+    parked_counts: Dict[str, int] = dataclasses.field(default_factory=dict)
+    rejoins: bool = False
     # Per request: why it ran dense or dropped less than its decision said (set by the drop).
     notes: Dict[int, str] = dataclasses.field(default_factory=dict)
     # Per request with a cached prefix: what it did with it (prefix_reuse.PrefixOutcome), and
@@ -70,6 +74,12 @@ class DropContext:
     moved_prefixes: Dict[int, tuple] = dataclasses.field(default_factory=dict)
     # Attention adapters' per-forward views (planned once, run by every layer of a stage).
     views: Dict[str, dict] = dataclasses.field(default_factory=dict)
+
+    @property
+    def acts(self) -> bool:
+        """Do the drop layers have work in this forward (drop, park, restore or rejoin rows)?"""
+        return self.is_extend and self.plan is not None and (self.plan.any_enabled
+                                                              or self.rejoins)
 
     def note(self, b: int, reason: str) -> None:
         decided = self.plan.decisions[b].reason if self.plan is not None else None

@@ -65,9 +65,12 @@ FORCE_TRITON = Flag(
 TEST_FAULT = Choice(
     "UNIPREFILL_TEST_FAULT",
     "test only: 'drop' raises inside every drop (the forward re-runs dense); 'last_drop' only at "
-    "the last drop layer (after the earlier drops); 'kv_gaps' corrupts the host KV gaps an "
-    "extend records (they are re-read from the device)",
-    ("drop", "last_drop", "kv_gaps"))
+    "the last drop layer of a step in which some request selects (after the earlier drops and "
+    "the rejoin of parked rows); 'kv_gaps' corrupts the host KV gaps an "
+    "extend records (they are re-read from the device); 'rejoin' at the first drop whenever "
+    "parked rows rejoin, in the dense re-run too (the request is failed); 'hook' registers a "
+    "hook on a target no SGLang has (start-up must refuse)",
+    ("drop", "last_drop", "kv_gaps", "rejoin", "hook"))
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")

@@ -11,7 +11,9 @@ inputs of each family. Three per-instance wrappers are enough:
     and position inputs (RoPE cos/sin recomputed for them) and, as a fallback, gathers inputs
     that still have the pre-drop row count.
 The first drop layer's residual norm also saves every row's residual stream for prefix
-re-selection (prefix_checkpoint.py).
+re-selection (prefix_checkpoint.py). From the first drop layer on, the MLP runs in pieces of at
+most the chunk size while the batch is compacted: the rows of earlier chunks that rejoin at the
+final chunk's first drop must not make a step's MLP activations larger than a chunk's.
 """
 
 from __future__ import annotations
@@ -155,11 +157,35 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
                 runtime.checkpoint.save_queries(slots, q_rows)
         out = original(q, k, v, forward_batch, *args, **kwargs)
         ctx = current()
-        if ctx is not None and ctx.is_extend and ctx.plan is not None and ctx.plan.any_enabled:
+        if ctx is not None and ctx.acts:
             runtime.drop(ctx, attn, q_rows)
         return out
 
     attn.forward = forward
+
+
+def _wrap_mlp(mlp: nn.Module, runtime) -> None:
+    """The MLP (row-wise: each row's output depends on that row only) over at most
+    `runtime.piece_rows` rows at a time, written into one output."""
+    original = mlp.forward
+    piece_rows = runtime.piece_rows
+
+    @functools.wraps(original)
+    def forward(hidden_states, *args, **kwargs):
+        ctx = current()
+        n = hidden_states.shape[0]
+        if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
+            return original(hidden_states, *args, **kwargs)
+        runtime.pieced_mlp_calls += 1
+        out = None
+        for start in range(0, n, piece_rows):
+            piece = original(hidden_states[start:start + piece_rows], *args, **kwargs)
+            if out is None:
+                out = piece.new_empty((n,) + tuple(piece.shape[1:]))
+            out[start:start + piece.shape[0]] = piece
+        return out
+
+    mlp.forward = forward
 
 
 def install(model: nn.Module, runtime, architecture) -> bool:
@@ -178,6 +204,11 @@ def install(model: nn.Module, runtime, architecture) -> bool:
         return False
     for layer in layers:  # linear-attention layers too: they run on the survivors
         _wrap_layer_entry(layer, model.model, shape)
+    first = runtime.stages.drop_layers[0] if runtime.stages.drop_layers else len(layers)
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, shape.mlp, None)
+        if i >= first and isinstance(mlp, nn.Module) and runtime.piece_rows > 0:
+            _wrap_mlp(mlp, runtime)
     for layer, attn in attending:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]

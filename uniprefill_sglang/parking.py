@@ -38,6 +38,13 @@ class ParkedRows:
         self._residual.append(residual)
         self.count += hidden.shape[0]
 
+    def truncate(self, count: int) -> None:
+        """Keep the first `count` rows (a failed forward appended the rest)."""
+        if count < self.count:
+            hidden, residual = self.states()
+            self._hidden, self._residual = [hidden[:count]], [residual[:count]]
+            self.count = count
+
     def set_last_queries(self, q: torch.Tensor, q_pos: torch.Tensor) -> None:
         self.last_q, self.last_q_pos = q, q_pos.to(torch.int64)
 
@@ -73,6 +80,16 @@ class ParkingLot:
 
     def append(self, rid: str, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         self.rows[rid].append(hidden, residual)
+
+    def roll_back(self, counts: Dict[str, int], rids) -> None:
+        """Undo what a failed forward parked: requests in `rids` keep the rows they had when it
+        began (`counts`), and those it started parking park nothing."""
+        for rid in rids:
+            if rid in self.rows:
+                if rid in counts:
+                    self.rows[rid].truncate(counts[rid])
+                else:
+                    self.forget(rid)
 
     def give_up(self, rid: Optional[str], why: str) -> Optional[ParkedRows]:
         """Stop parking a request's chunks (its later chunks run dense); returns what it had

@@ -74,11 +74,16 @@ class RequestDecision:
 class BatchPlan:
     decisions: List[RequestDecision]
 
-    def all_dense(self, reason: str) -> "BatchPlan":
-        """The same batch with every request dense (a forward that failed runs again)."""
-        return BatchPlan([dataclasses.replace(d, enabled=False, park=False, restore_prefix=False,
-                                              reason=d.reason if d.reason == "decode" else reason)
-                          for d in self.decisions])
+    def all_dense(self, reason: str, restore: bool = False) -> "BatchPlan":
+        """The same batch with every request dense (a forward that failed runs again).
+        `restore`: a cached prefix lacking tokens past the first drop gets them back, as a
+        request that asked for no drop does under verify / reselect (parked rows of earlier
+        chunks rejoin whole in any dense step: runtime.py)."""
+        return BatchPlan([dataclasses.replace(
+            d, enabled=False, park=False,
+            restore_prefix=restore and d.cached_len > 0 and d.prefix_policy in RESTORES_DENSE,
+            reason=d.reason if d.reason == "decode" else reason)
+            for d in self.decisions])
 
     @property
     def any_enabled(self) -> bool:

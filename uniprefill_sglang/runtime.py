@@ -66,6 +66,13 @@ class UniPrefillRuntime:
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
         self.parking = ParkingLot(config.max_parked_tokens)
+        # Rows one MLP call takes at most in a compacted step (model_integration.py): the chunk
+        # size, set by the model runner hook (0: no limit).
+        self.piece_rows = 0
+        self.pieced_mlp_calls = 0
+        # rid -> why: requests UniPrefill could not answer from complete KV after a failure
+        # (patches/scheduler.py finishes them with that error).
+        self.failed_requests = {}
         # Prefix reuse (prefix_reuse.py): with the radix cache on, (hidden_size, query_size,
         # dtype) of the checkpoint that lets a request re-select over a cached prefix.
         self.checkpoint = None
@@ -100,6 +107,13 @@ class UniPrefillRuntime:
             ctx.kept.append(list(ctx.lens))
             ctx.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, ctx.fixed_lens)
             ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
+            if plan is not None and self.has_schedule:
+                parked = {d.rid: self.parking.get(d.rid) for d in plan.decisions
+                          if self.parking.is_parked(d.rid)}
+                ctx.parked_counts = {rid: rows.count for rid, rows in parked.items()}
+                # A dense step of a request with parked rows (a recovery, a final chunk in a
+                # batch that asks for logprobs) must still let them rejoin, all kept.
+                ctx.rejoins = any(d.rid in parked and not d.park for d in plan.decisions)
         elif fb.forward_mode.is_decode() and self.has_schedule:
             rows = self.host_rows(fb)
             self.stage_kv.refresh_stale(rows, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
@@ -125,21 +139,40 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
 
-    def abandon_forward(self, ctx: DropContext) -> None:
+    def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
-        run again dense. Its new slots are reset when the new forward begins; requests whose
-        parked rows it consumed or parked give parking up (their earlier chunks keep stage-0
-        KV only, a sparse prefix the views handle)."""
+        run again dense with every token's KV complete. Its new slots are reset when the new
+        forward begins; requests whose prefix it moved to private slots point at the shared
+        prefix again; the parked rows are as they were when it began, so that the dense run
+        lets them rejoin whole (every later layer then holds every token of the prompt).
+
+        `give_up_parking` (the dense run failed as well): the parked rows are dropped instead,
+        leaving their requests' earlier chunks with stage-0 KV only; the caller fails those
+        requests (`failed_requests`)."""
         set_current(None)
         rows = self.host_rows(ctx.forward_batch)
         for b, (row, shared) in ctx.moved_prefixes.items():  # back to the shared prefix
             self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared
             self.prefix_reuse.release(ctx.plan.decisions[b].rid)
-        for b, d in enumerate(ctx.plan.decisions if ctx.plan else []):
-            parked = self.parking.give_up(d.rid, "an earlier step failed in UniPrefill's code")
-            if parked is not None:  # rejoined rows may have been marked written
-                self.slots.mark_dropped(self.req_to_token_pool.req_to_token[
-                    rows[b], parked.start_pos:parked.start_pos + parked.count], 0)
+        decisions = ctx.plan.decisions if ctx.plan else []
+        self.parking.roll_back(ctx.parked_counts, [d.rid for d in decisions])
+        for b, d in enumerate(decisions):
+            parked = self.parking.get(d.rid)
+            if parked is None:
+                continue
+            slots = self.req_to_token_pool.req_to_token[
+                rows[b], parked.start_pos:parked.start_pos + parked.count]
+            if give_up_parking:
+                self.parking.give_up(d.rid, "a dense run after a failure in UniPrefill's "
+                                            "code failed too")
+                self.failed_requests[d.rid] = (
+                    "UniPrefill could not recompute the earlier chunks of this prompt after a "
+                    "failure in its own code; the request was not answered from incomplete KV")
+                self.slots.mark_dropped(slots, 0)
+            else:  # stage-0 KV only until they rejoin (the failed forward may have marked them)
+                self.slots.mark_dropped(slots, 0, release=False)
+                if self.slots.staged:
+                    self.slots.pools.refill(slots)
         if self.slots.staged:  # the dense run writes every layer for every row of the batch
             self.slots.pools.refill(ctx.forward_batch.out_cache_loc)
 
@@ -169,6 +202,17 @@ class UniPrefillRuntime:
         return [dict(stage=0, layers=len(per_layer), size=int(allocator.size), free=int(free),
                      bytes_per_slot=sum(per_layer))]
 
+    def missing_kv(self, fb) -> list:
+        """Debug (UNIPREFILL_CHECK_KV_LENS): per request of an extend, per stage 1..D, the
+        tokens of its sequence whose KV that stage lacks, read from the device slot map."""
+        req_to_token = self.req_to_token_pool.req_to_token
+        out = []
+        for row, n in zip(self.host_rows(fb), fb.seq_lens_cpu.tolist()):
+            slots = req_to_token[row, :n]
+            valid = self.slots.valid_counts(slots, torch.zeros_like(slots, dtype=torch.int64), 1)
+            out.append([n - int(v) for v in valid[0, 1:].tolist()])
+        return out
+
     @staticmethod
     def host_rows(fb) -> list:
         """The batch's req-pool rows on the host (attached by the ForwardBatch hook)."""
@@ -185,20 +229,29 @@ class UniPrefillRuntime:
         last, which carries the logits SGLang expects) and lets a final chunk's parked rows
         rejoin as candidates scored by the prompt's true last queries."""
         drop_index = self.stages.drop_index[layer.layer_id]
-        if self.test_fault == "drop" or (self.test_fault == "last_drop"
-                                         and drop_index == self.stages.num_drops - 1):
+        decisions = ctx.plan.decisions
+        if (self.test_fault == "drop" and any(d.enabled or d.park for d in decisions)) or (
+                self.test_fault == "last_drop" and drop_index == self.stages.num_drops - 1
+                and any(d.enabled for d in decisions)):
             raise UniPrefillError(f"test fault at a drop layer (UNIPREFILL_TEST_FAULT="
                                   f"{self.test_fault})")
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
         total = ctx.positions.shape[0]
-        cands, selecting, joining, parking = self._gather_candidates(ctx, layer, q, drop_index)
-        if not selecting and not parking:
+        cands, selecting, joining, parking, whole = self._gather_candidates(ctx, layer, q,
+                                                                            drop_index)
+        if self.test_fault == "rejoin" and joining.count:
+            raise UniPrefillError("test fault as parked rows rejoin (UNIPREFILL_TEST_FAULT="
+                                  "rejoin)")
+        if not selecting and not parking and not whole:
             ctx.kept.append(list(ctx.lens))
             return
         rows_per_request = list(ctx.lens)
         keep = torch.ones(total + joining.count, dtype=torch.bool, device=q.device)
         keep[total:] = False
         stage = self.stages.stage(layer.layer_id)
+        for b, rows, joined in whole:  # dense requests whose parked rows or prefix rejoin
+            keep.index_fill_(0, rows, True)
+            ctx.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
         if selecting:
             self._select(ctx, layer, cands, selecting, keep, total, stage)
         for b, seg in parking:
@@ -219,7 +272,8 @@ class UniPrefillRuntime:
     def _gather_candidates(self, ctx, layer, q, drop_index):
         """Per request: park it, skip it, or gather its queries and keys for the selection.
         Returns (DropCandidates, [(b, candidate rows, parked rows joining)], JoiningRows,
-        [(b, rows to park)])."""
+        [(b, rows to park)], [(b, rows, parked rows joining)] of dense requests whose parked
+        rows or cached prefix rejoin whole)."""
         stage = self.stages.stage(layer.layer_id)
         first_drop = drop_index == 0
         fb, device = ctx.forward_batch, q.device
@@ -228,7 +282,7 @@ class UniPrefillRuntime:
         total = ctx.positions.shape[0]
         queries, query_pos, keys, key_pos = [], [], [], []
         c = DropCandidates(None, None, [], None, None, [], [], [], [])
-        selecting, joining, parking = [], JoiningRows(), []
+        selecting, joining, parking, whole = [], JoiningRows(), [], []
         empty = torch.empty(0, dtype=torch.int64, device=device)
         # Cached prefixes that this step selects over anew rejoin like parked rows.
         rejoining = self.prefix_reuse.rejoining_prefixes(ctx, layer, q) if first_drop else {}
@@ -247,17 +301,26 @@ class UniPrefillRuntime:
                     del self.parking.refused[d.rid]
                     ctx.note(b, f"earlier chunks not parked ({why}): drops among its final "
                                 "chunk's tokens only")
-            if not d.enabled and b not in rejoining:
-                continue
             parked = self.parking.get(d.rid) if first_drop else None
+            if not d.enabled and b not in rejoining and parked is None:
+                continue
             if parked is not None:
                 ctx.finished_parking.append(d.rid)
                 if parked.count == 0:
                     parked = None
             if b in rejoining:
                 parked = merge_parked(rejoining[b], parked)
-            if parked is None and n < self.config.min_tokens_to_drop:
+            if parked is None and d.enabled and n < self.config.min_tokens_to_drop:
                 ctx.note(b, "too few new tokens to score")
+                continue
+            if not d.enabled:  # every row kept: nothing to score
+                joined = parked.count if parked is not None else 0
+                rows = own
+                if parked is not None:
+                    rows = torch.cat([joining.add(b, parked, req_to_token[req_rows[b]], total),
+                                      own])
+                    ctx.fixed_lens[b] = parked.start_pos
+                whole.append((b, rows, joined))
                 continue
             rows, own_q, own_q_pos = own, q[start:start + n], ctx.positions[start:start + n]
             joined = parked.count if parked is not None else 0
@@ -286,14 +349,13 @@ class UniPrefillRuntime:
             c.query_counts.append(num_q)
             c.key_counts.append(prefix_slots.numel() + joined + n)
             c.prefix_counts.append(prefix_slots.numel())
-            # A dense request whose cached prefix rejoins keeps every row.
-            c.top_p.append(d.top_p if d.enabled else 1.0)
-            c.keep_ratio.append(d.ratio_at(drop_index) if d.enabled else 0.0)
+            c.top_p.append(d.top_p)
+            c.keep_ratio.append(d.ratio_at(drop_index))
             selecting.append((b, rows, joined))
         if selecting:
             c.queries, c.query_pos = torch.cat(queries), torch.cat(query_pos)
             c.key_slots, c.key_pos = torch.cat(keys), torch.cat(key_pos)
-        return c, selecting, joining, parking
+        return c, selecting, joining, parking, whole
 
     def _select(self, ctx, layer, cands, selecting, keep, total, stage) -> None:
         reduce = self.tp_agreement.reduce_scores if self.tp_agreement is not None else None

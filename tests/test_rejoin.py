@@ -1,0 +1,136 @@
+"""Parked rows rejoining at the final chunk, on the real SmolLM2 and SGLang's CPU engine.
+
+Scaled down from a 128K prompt in 8K chunks: 256-token chunks, prompts of 1-1.4K tokens (four
+to six chunks), drop layers 4 and 12. Bounded rejoin: the final chunk's MLPs run in pieces of
+at most a chunk while the earlier chunks' rows are in the step, and the kept positions equal
+the unchunked run's; at top-p 1.0 the answer is dense's. Honest recovery: a fault after the
+parked rows rejoined re-prefills the prompt dense (every later layer then holds every token,
+read from the device slot map), and a fault that the dense re-run hits too fails the request
+with an error instead of answering from incomplete KV.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state, make_cpu_engine
+
+pytestmark = pytest.mark.engine
+os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
+
+CHUNK = 256
+COMMON = dict(enable_uniprefill=True, uniprefill_drop_layers="4,12", context_length=2048,
+              uniprefill_min_prompt_tokens=256)
+CHUNKED = dict(chunked_prefill_size=CHUNK, max_prefill_tokens=CHUNK)
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6}
+
+
+def _prompts():
+    rng = random.Random(41)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in (1030, 1370)]
+
+
+def _run(engine, prompt, **knobs):
+    out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "custom_params": knobs})
+    flush_cache(engine)  # every run starts from an empty radix cache
+    return out["output_ids"], out["meta_info"]["uniprefill"][-1]
+
+
+@pytest.fixture(scope="module")
+def kept_runs(smollm2_path):
+    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
+    out = {}
+    try:
+        for name, extra in (("chunked", CHUNKED), ("unchunked", {})):
+            engine = make_cpu_engine(smollm2_path, **COMMON, **extra)
+            try:
+                out[name] = [_run(engine, p, uniprefill_keep_ratio=0.5) for p in _prompts()]
+                if name == "chunked":
+                    out["top_p_1"] = [_run(engine, p, uniprefill_top_p=1.0) for p in _prompts()]
+                    out["dense"] = [_run(engine, p, uniprefill=False) for p in _prompts()]
+                out[name + "_idle"] = idle_state(engine)
+            finally:
+                engine.shutdown()
+    finally:
+        os.environ.pop("UNIPREFILL_REPORT_KEPT", None)
+    return out
+
+
+def test_chunked_rejoin_keeps_the_unchunked_positions(kept_runs):
+    for (_, chunked), (_, whole), prompt in zip(kept_runs["chunked"], kept_runs["unchunked"],
+                                               _prompts()):
+        assert chunked["kept_tokens"][0] == whole["kept_tokens"][0] == len(prompt)
+        assert chunked["kept_tokens"] == whole["kept_tokens"]
+        assert chunked["kept_digest"] == whole["kept_digest"]
+
+
+def test_rejoin_runs_its_mlps_in_pieces_of_a_chunk(kept_runs):
+    chunked, unchunked = kept_runs["chunked_idle"], kept_runs["unchunked_idle"]
+    # Each final chunk: 1030 / 1370 rows rejoin at layer 4, half stay: MLPs past the first drop
+    # get more than a chunk of rows, and run in pieces.
+    assert chunked["pieced_mlp_calls"] > 0
+    assert unchunked["pieced_mlp_calls"] == 0  # no limit without chunking
+    assert chunked["parked_requests"] == 0
+
+
+def test_chunked_top_p_one_answers_as_dense(kept_runs):
+    for (ids, meta), (dense_ids, dense_meta), prompt in zip(kept_runs["top_p_1"],
+                                                             kept_runs["dense"], _prompts()):
+        assert meta["enabled"] and not dense_meta["enabled"]
+        assert meta["kept_tokens"] == [len(prompt)] * 3
+        assert meta["kv_missing"] == [0, 0]
+        assert ids == dense_ids
+
+
+def _faulted(smollm2_path, monkeypatch, fault):
+    """Each prompt with keep 0.5 under the fault switch: its output, or the error it got."""
+    monkeypatch.setenv("UNIPREFILL_TEST_FAULT", fault)
+    engine = make_cpu_engine(smollm2_path, **COMMON, **CHUNKED)
+    try:
+        faulted = []
+        for p in _prompts():
+            try:
+                faulted.append(engine.generate(input_ids=p, sampling_params={
+                    **GREEDY, "custom_params": {"uniprefill_keep_ratio": 0.5}}))
+            except Exception as error:  # sglang.Engine raises what a client gets as an error
+                faulted.append(error)
+        state = idle_state(engine)
+        flush_cache(engine)
+        dense = [_run(engine, p, uniprefill=False)[0] for p in _prompts()]
+    finally:
+        engine.shutdown()
+    return faulted, state, dense
+
+
+def _assert_no_leak(state):
+    assert state["parked_requests"] == 0
+    assert state["available_kv_tokens"] + state["evictable_kv_tokens"] == \
+        state["max_total_num_tokens"]
+    assert state.get("kv_pool_problems", []) == []
+
+
+def test_a_fault_after_the_rejoin_re_prefills_the_prompt_dense(smollm2_path, monkeypatch):
+    """The second drop layer raises after the parked rows rejoined at the first one."""
+    faulted, state, dense = _faulted(smollm2_path, monkeypatch, "last_drop")
+    for out, dense_ids, prompt in zip(faulted, dense, _prompts()):
+        entry = out["meta_info"]["uniprefill"][-1]
+        assert entry["reason"].startswith("UniPrefill error, re-prefilled dense"), entry
+        # Every prompt token went through every layer: the slot map lacks nothing.
+        assert entry["kept_tokens"] == [len(prompt)] * 3
+        assert entry["kv_missing"] == [0, 0]
+        assert out["output_ids"] == dense_ids
+    _assert_no_leak(state)
+
+
+def test_a_fault_the_dense_re_run_hits_too_fails_the_request(smollm2_path, monkeypatch):
+    """Every rejoin raises, the dense re-run's too: the request gets an error, the server serves
+    on (the dense requests after it answer) and holds no slot of it."""
+    faulted, state, dense = _faulted(smollm2_path, monkeypatch, "rejoin")
+    for error in faulted:
+        assert isinstance(error, Exception), error
+        assert "500" in str(error) and "incomplete KV" in str(error), error
+    assert all(len(ids) == GREEDY["max_new_tokens"] for ids in dense)
+    _assert_no_leak(state)
