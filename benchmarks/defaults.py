@@ -44,12 +44,21 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list:
 
 
 def _timed(engine, prompts, params):
+    """(seconds, output); a request that failed gives its error as the output."""
     start = time.perf_counter()
-    out = engine.generate(input_ids=prompts, sampling_params=params)
+    try:
+        out = engine.generate(input_ids=prompts, sampling_params=params)
+    except Exception as error:  # sglang.Engine raises what a client would get as an error
+        out = {"error": f"{type(error).__name__}: {error}"[:500], "meta_info": {},
+               "output_ids": None}
     return time.perf_counter() - start, out
 
 
 def _meta(out) -> dict:
+    if not isinstance(out, dict):  # a batch: its first request's
+        out = out[0]
+    if "error" in out:
+        return {"error": out["error"]}
     entries = out["meta_info"].get("uniprefill") or []
     if not entries:
         return {}
@@ -66,6 +75,8 @@ def run_config(name: str, args) -> dict:
         activate_cpu_engine_env()
     import sglang
 
+    from uniprefill_sglang.tools.cpu_engine import flush_cache as flush
+
     cfg = json.load(open(os.path.join(args.model_path, "config.json")))
     vocab = cfg["vocab_size"]
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -79,6 +90,10 @@ def run_config(name: str, args) -> dict:
     info = engine.get_server_info()
     memory = info["internal_states"][0].get("memory_usage") or {}
     result = {"config": name, "flags": CONFIGS[name], "memory_usage_gb": memory,
+              "sglang_chose": {k: info.get(k) for k in (
+                  "chunked_prefill_size", "mem_fraction_static", "attention_backend",
+                  "cuda_graph_backend_prefill", "disable_radix_cache", "uniprefill_kv_layout",
+                  "uniprefill_prefix_policy", "uniprefill_top_p")},
               "max_total_num_tokens": memory.get("token_capacity")}
     rng = random.Random(args.seed)
     one = {"temperature": 0.0, "max_new_tokens": 1}
@@ -95,7 +110,7 @@ def run_config(name: str, args) -> dict:
     for _ in range(3):
         seconds, _ = _timed(engine, short, one)
         times.append(round(seconds, 4))
-        engine.flush_cache()
+        flush(engine)
     result["short_batch"] = {"first_s": times[0], "best_s": min(times)}
     result["single"] = {}
     for n in lengths:
@@ -104,20 +119,21 @@ def run_config(name: str, args) -> dict:
         row = {"ttft_s": round(seconds, 4), **_meta(out)}
         if plugin and n == max(lengths):
             greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-            engine.flush_cache()
+            flush(engine)
             seconds, top1 = _timed(engine, prompt, {**greedy, "custom_params": {
                 "uniprefill_top_p": 1.0}})
-            engine.flush_cache()
+            flush(engine)
             _, dense = _timed(engine, prompt, {**greedy, "custom_params": {"uniprefill": False}})
             row["top_p_1"] = {"seconds_16_tokens": round(seconds, 4), **_meta(top1),
                               "equal_to_dense": top1["output_ids"] == dense["output_ids"]}
         result["single"][str(n)] = row
-        engine.flush_cache()
+        flush(engine)
         save()
-    mid = [_ids(rng, rng.randint(2048, 6144), vocab) for _ in range(n_mid)]
+    top = min(6144, max(lengths))
+    mid = [_ids(rng, rng.randint(top // 3, top), vocab) for _ in range(n_mid)]
     seconds, _ = _timed(engine, mid, one)
     result["mid_batch"] = {"seconds": round(seconds, 4)}
-    engine.flush_cache()
+    flush(engine)
     save()
     result["follow_ups"] = {}
     for doc_len in [int(x) for x in args.doc_tokens.split(",")]:
@@ -130,11 +146,11 @@ def run_config(name: str, args) -> dict:
                            "cached_tokens": out["meta_info"].get("cached_tokens"),
                            **_meta(out)})
         result["follow_ups"][str(doc_len)] = {"first_s": round(first, 4), "follow": follow}
-        engine.flush_cache()
+        flush(engine)
         save()
     prompt = _ids(rng, min(8192, max(lengths)), vocab)
     t_first, _ = _timed(engine, prompt, one)
-    engine.flush_cache()
+    flush(engine)
     t_all, _ = _timed(engine, prompt, {"temperature": 0.0, "max_new_tokens": 65,
                                        "ignore_eos": True})
     result["decode_itl_ms"] = round((t_all - t_first) / 64 * 1000, 3)
