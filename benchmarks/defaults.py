@@ -80,12 +80,16 @@ def run_config(name: str, args) -> dict:
     cfg = json.load(open(os.path.join(args.model_path, "config.json")))
     vocab = cfg["vocab_size"]
     lengths = [int(x) for x in args.lengths.split(",")]
+    # The model's own context length unless the longest prompt needs more.
+    needed = max(lengths) + 64  # the 16 greedy tokens and the decode probe fit
+    context = {} if cfg.get("max_position_embeddings", 0) >= needed else {
+        "context_length": needed}
     device = dict(device="cpu", attention_backend="torch_native", dtype="float32",
                   max_total_tokens=4 * max(lengths), disable_cuda_graph=True) \
         if args.device == "cpu" else dict(attention_backend=args.attention_backend)
     engine = sglang.Engine(model_path=args.model_path, load_format="dummy", random_seed=0,
-                           log_level="error", context_length=max(lengths) + 256,
-                           skip_tokenizer_init=True, **device, **CONFIGS[name],
+                           log_level="error", skip_tokenizer_init=True, **context, **device,
+                           **CONFIGS[name],
                            **json.loads(args.extra))
     info = engine.get_server_info()
     memory = info["internal_states"][0].get("memory_usage") or {}
