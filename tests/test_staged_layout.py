@@ -139,5 +139,7 @@ def test_a_fault_after_some_drops_reruns_dense_with_every_stage_slot_back(smollm
     for out in faulted:
         assert any("UniPrefill error, re-prefilled dense" in (e.get("reason") or "")
                    for e in out["meta_info"]["uniprefill"]), out["meta_info"]["uniprefill"]
+        # Re-prefilled from the first token: the device slot map lacks no token in any stage.
+        assert out["meta_info"]["uniprefill"][-1]["kv_missing"] == [0, 0, 0]
     assert state["kv_pool_problems"] == []
     assert [p["layers"] for p in state["kv_pools"]] == [5, 8, 8, 9]

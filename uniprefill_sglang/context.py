@@ -62,9 +62,10 @@ class DropContext:
     ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
     parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking this step
     finished_parking: List[str] = dataclasses.field(default_factory=list)  # rids rejoined now
-    # Rows parked per request id when the forward began (a failed forward is rolled back to
-    # them), and whether parked rows rejoin in this forward even though no request drops.
-    parked_counts: Dict[str, int] = dataclasses.field(default_factory=dict)
+    # Per request id, its parked rows and their count when the forward began (a failed forward
+    # is rolled back to them), and whether parked rows rejoin in this forward even though no
+    # request drops.
+    parked_before: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     rejoins: bool = False
     # Per request: why it ran dense or dropped less than its decision said (set by the drop).
     notes: Dict[int, str] = dataclasses.field(default_factory=dict)

@@ -81,15 +81,19 @@ class ParkingLot:
     def append(self, rid: str, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         self.rows[rid].append(hidden, residual)
 
-    def roll_back(self, counts: Dict[str, int], rids) -> None:
-        """Undo what a failed forward parked: requests in `rids` keep the rows they had when it
-        began (`counts`), and those it started parking park nothing."""
+    def roll_back(self, before: Dict[str, tuple], rids) -> None:
+        """Undo what a failed forward did to the parked rows of requests in `rids`: each has
+        again the rows it had when the forward began (`before`: rid -> (ParkedRows, count)),
+        even where that forward consumed them or dropped them as stale; one it started parking
+        parks nothing."""
         for rid in rids:
-            if rid in self.rows:
-                if rid in counts:
-                    self.rows[rid].truncate(counts[rid])
-                else:
-                    self.forget(rid)
+            if rid in before:
+                rows, count = before[rid]
+                rows.truncate(count)
+                self.rows[rid] = rows
+                self.refused.pop(rid, None)
+            else:
+                self.forget(rid)
 
     def give_up(self, rid: Optional[str], why: str) -> Optional[ParkedRows]:
         """Stop parking a request's chunks (its later chunks run dense); returns what it had

@@ -110,8 +110,9 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
     policy = config.prefix_policy
 
     def dense(reason: str) -> RequestDecision:
+        # With its rid: a dense final chunk still lets its earlier chunks' parked rows rejoin.
         return RequestDecision(False, top_p, keep_ratio or (), reason, prefix_policy=policy,
-                               cached_len=cached_len)
+                               cached_len=cached_len, rid=getattr(req, "rid", None))
 
     try:
         knobs = parse_request_knobs(_custom_params(req), config)
@@ -122,8 +123,7 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
     top_p, keep_ratio, policy = knobs.top_p, knobs.keep_ratio, knobs.prefix_policy
     if not knobs.enabled:
         restore = cached_len > 0 and policy in RESTORES_DENSE and has_schedule
-        return dataclasses.replace(dense("disabled by the request"), restore_prefix=restore,
-                                   rid=getattr(req, "rid", None))
+        return dataclasses.replace(dense("disabled by the request"), restore_prefix=restore)
     if not has_schedule:
         return dense(_no_schedule_reason)
     if batch_reason is not None:

@@ -110,7 +110,7 @@ class UniPrefillRuntime:
             if plan is not None and self.has_schedule:
                 parked = {d.rid: self.parking.get(d.rid) for d in plan.decisions
                           if self.parking.is_parked(d.rid)}
-                ctx.parked_counts = {rid: rows.count for rid, rows in parked.items()}
+                ctx.parked_before = {rid: (rows, rows.count) for rid, rows in parked.items()}
                 # A dense step of a request with parked rows (a recovery, a final chunk in a
                 # batch that asks for logprobs) must still let them rejoin, all kept.
                 ctx.rejoins = any(d.rid in parked and not d.park for d in plan.decisions)
@@ -155,7 +155,7 @@ class UniPrefillRuntime:
             self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared
             self.prefix_reuse.release(ctx.plan.decisions[b].rid)
         decisions = ctx.plan.decisions if ctx.plan else []
-        self.parking.roll_back(ctx.parked_counts, [d.rid for d in decisions])
+        self.parking.roll_back(ctx.parked_before, [d.rid for d in decisions])
         for b, d in enumerate(decisions):
             parked = self.parking.get(d.rid)
             if parked is None:
