@@ -64,6 +64,10 @@ def _install_runtime(result, model_runner, *args, **kwargs):
         runtime.stages = LayerStages((), num_layers)
     if runtime.slots.staged:
         _check_staged_layout(model_runner, runtime)
+    if runtime.has_schedule:  # compile the selection kernels now, not in the first request
+        runtime.warm_up(model_integration.drop_attention(model_runner.model,
+                                                         runtime.stages.drop_layers[0]),
+                        model_runner.dtype)
     if not runtime.has_schedule and not unsupported:
         log_fallback_once(f"architecture {architectures} without a drop schedule")
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)

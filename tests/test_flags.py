@@ -31,6 +31,23 @@ def test_default_schedule_matches_the_paper_for_llama_31_8b_and_scales():
         assert list(layers) == sorted(set(layers))
 
 
+@pytest.mark.parametrize("override, layout", [
+    ({}, "shared"),  # top-p: every stage pool would be full-size, nothing to give back
+    ({"keep_ratio": "0.5,0.8"}, "staged"),
+    ({"stage_kv_fraction": "0.6"}, "staged"),
+    ({"keep_ratio": "0.5", "kv_layout": "shared"}, "shared"),
+    ({"kv_layout": "staged"}, "staged"),
+])
+def test_the_layout_is_staged_by_default_only_where_it_saves_memory(override, layout):
+    assert build_config(**{**DEFAULTS, **override}).kv_layout == layout
+
+
+def test_the_checkpoint_is_kept_on_request_or_for_reselect():
+    assert not build_config(**DEFAULTS).prefix_checkpoint  # verify without it reuses the cache
+    assert build_config(**DEFAULTS, prefix_checkpoint=True).prefix_checkpoint
+    assert build_config(**DEFAULTS, prefix_policy="reselect").prefix_checkpoint
+
+
 @pytest.mark.parametrize(
     "override, flag",
     [

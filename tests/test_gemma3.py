@@ -49,8 +49,11 @@ def runs(gemma_path):
     # cases dense answers.
     cases = [make_case(tok, task, 2048, 0.5, seed=0)
              for task in ("niah_number", "niah_uuid", "niah_multikey")]
+    # The staged layout (under top-p the default is shared) holds the sliding-window layers'
+    # KV in the stage pools; the checkpoint lets the cached prompt asked again re-select.
     engine = make_cpu_engine(gemma_path, enable_uniprefill=True, log_level="warning",
-                             context_length=4096, chunked_prefill_size=1024)
+                             context_length=4096, chunked_prefill_size=1024,
+                             uniprefill_kv_layout="staged", uniprefill_prefix_checkpoint=True)
     out = {"cases": cases, "runs": []}
     try:
         out["server"] = engine.get_server_info()

@@ -76,7 +76,8 @@ def fresh_prompt() -> str:
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = server_command(smollm2_path, free_port(), "--enable-metrics", cpu=True)
+    cmd = server_command(smollm2_path, free_port(), "--enable-metrics",
+                         "--uniprefill-prefix-checkpoint", cpu=True)
     with ServerProcess(cmd, log, run_cpu_env(str(REPO_ROOT))) as srv:
         srv.wait_healthy(START_TIMEOUT_S)
         yield srv

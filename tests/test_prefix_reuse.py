@@ -36,8 +36,9 @@ def tokenizer(smollm2_path):
 def engine(module_engine_factory):
     # Chunked at 512: the document is prefilled in chunks that park at the first drop layer,
     # and a follow-up with a long new part re-selects over its prefix and its own parked chunk.
+    # The checkpoint on: verify may re-select, a dense request restore.
     return module_engine_factory(enable_uniprefill=True, chunked_prefill_size=CHUNK,
-                                 max_prefill_tokens=CHUNK)
+                                 max_prefill_tokens=CHUNK, uniprefill_prefix_checkpoint=True)
 
 
 def _ask(engine, ids, policy=None, knobs=None, **params):

@@ -54,7 +54,7 @@ def chat_prompts(smollm2_path):
 
 def _engine(factory, **kwargs):
     return factory(enable_uniprefill=True, chunked_prefill_size=CHUNK, max_prefill_tokens=CHUNK,
-                   **kwargs)
+                   uniprefill_prefix_checkpoint=True, **kwargs)
 
 
 def _generate(engine, prompts, knobs):

@@ -36,8 +36,11 @@ PREFIX_POLICIES = ("verify", "reselect", "reuse-sparse", "dense-prefix")
 DEFAULT_PREFIX_POLICY = "verify"
 # KV layouts (stage_pools.py): "staged" gives the layers after each drop a pool of their own,
 # holding slots for the tokens that reach them; "shared" gives every layer a slot per token.
+# Unset, the layout is staged only where its pools are smaller than the full one (fixed keep
+# ratios or explicit stage fractions): under top-p every stage pool is full-size, and the
+# staged layout would cost view work for no memory.
 KV_LAYOUTS = ("staged", "shared")
-DEFAULT_KV_LAYOUT = "staged"
+DEFAULT_KV_LAYOUT = None
 
 
 # Profiles written by `python -m uniprefill_sglang.calibrate` for the models we calibrated.
@@ -149,7 +152,11 @@ class UniPrefillConfig:
     # The profile that supplied the knobs no flag set (None: none).
     profile: Optional[str] = None
     prefix_policy: str = DEFAULT_PREFIX_POLICY
-    kv_layout: str = DEFAULT_KV_LAYOUT
+    kv_layout: str = "shared"
+    # Keep each KV slot's first-drop residual stream and query (prefix_checkpoint.py) so that a
+    # request can re-select over a cached prefix; costs KV capacity (16 KiB per 128 KiB slot on
+    # Llama-3.1-8B), so only on request, or under the reselect policy, which needs it.
+    prefix_checkpoint: bool = False
     # Per drop stage, the fraction of the full KV pool its pool holds (the last repeats);
     # None: from the fixed keep ratios (stage_pools.default_stage_fractions).
     stage_kv_fraction: Optional[tuple[float, ...]] = None
@@ -183,8 +190,9 @@ def build_config(
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
     profile: Optional[Profile] = None,
     prefix_policy: str = DEFAULT_PREFIX_POLICY,
-    kv_layout: str = DEFAULT_KV_LAYOUT,
+    kv_layout: Optional[str] = DEFAULT_KV_LAYOUT,
     stage_kv_fraction=None,
+    prefix_checkpoint: bool = False,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -231,10 +239,13 @@ def build_config(
         raise UniPrefillConfigError(
             f"--uniprefill-prefix-policy must be one of {', '.join(PREFIX_POLICIES)}, "
             f"got {prefix_policy!r}")
+    fractions = parse_keep_ratios(stage_kv_fraction, flag="--uniprefill-stage-kv-fraction")
+    if kv_layout is None:
+        smaller = fractions is not None or keep_ratios is not None
+        kv_layout = "staged" if smaller else "shared"
     if kv_layout not in KV_LAYOUTS:
         raise UniPrefillConfigError(
             f"--uniprefill-kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    fractions = parse_keep_ratios(stage_kv_fraction, flag="--uniprefill-stage-kv-fraction")
     layers = parse_drop_layers(drop_layers)
     if layers is not None:
         if any(l < 0 for l in layers):
@@ -258,6 +269,7 @@ def build_config(
         prefix_policy=prefix_policy,
         kv_layout=kv_layout,
         stage_kv_fraction=fractions,
+        prefix_checkpoint=bool(prefix_checkpoint) or prefix_policy == "reselect",
     )
 
 

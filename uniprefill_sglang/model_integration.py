@@ -47,6 +47,15 @@ def _find_radix_attention(layer: nn.Module):
     return None
 
 
+def drop_attention(model: nn.Module, layer_id: int):
+    """The RadixAttention of layer `layer_id` (None: the model has no such layer)."""
+    for layer in find_decoder_layers(model) or []:
+        attn = _find_radix_attention(layer)
+        if attn is not None and attn.layer_id == layer_id:
+            return attn
+    return None
+
+
 def query_size(model: nn.Module):
     """Query values per token of one attention layer on this rank (None: no known layer)."""
     for layer in find_decoder_layers(model) or []:

@@ -48,9 +48,10 @@ NEEDS_CHECKPOINT = (VERIFY, RESELECT)
 
 
 def needs_checkpoint(server_args, config) -> bool:
-    """Does this server keep the checkpoint (radix cache on, a re-selecting policy)?"""
+    """Does this server keep the checkpoint (radix cache on, a re-selecting policy, and
+    `--uniprefill-prefix-checkpoint` or the reselect policy)?"""
     return (not getattr(server_args, "disable_radix_cache", False)
-            and config.prefix_policy in NEEDS_CHECKPOINT)
+            and config.prefix_policy in NEEDS_CHECKPOINT and config.prefix_checkpoint)
 
 
 def reuse_tolerance(top_p: float) -> float:

@@ -193,6 +193,32 @@ class UniPrefillRuntime:
                 logger.error("UniPrefill: inconsistent KV gaps for request row %d; re-reading "
                              "them from the device", row)
 
+    def warm_up(self, attn, dtype) -> None:
+        """Run the scoring and selection kernels once (top-p and keep ratio, and verify's
+        coverage) on the first drop layer's key buffer, so that the first request that drops
+        does not wait for their compilation. Reads the buffer, writes nothing."""
+        from uniprefill_sglang.selection import prefix_coverage
+
+        if attn is None:
+            return
+        buffer = self.token_to_kv_pool.get_key_buffer(attn.layer_id)
+        n = min(4 * self.config.block_size + self.config.last_queries, buffer.shape[0] - 1)
+        q = min(self.config.last_queries, n)
+        device = buffer.device
+        gen = torch.Generator(device=device).manual_seed(0)
+        queries = torch.randn(q, attn.tp_q_head_num, attn.qk_head_dim, generator=gen,
+                              device=device).to(dtype)
+        positions = torch.arange(n, device=device)
+        for top_p, ratio in ((self.config.top_p, 0.0), (1.0, 0.5)):
+            cands = DropCandidates(queries, positions[-q:], [q], positions + 1, positions, [n],
+                                   [0], [top_p], [ratio])
+            select_survivors(cands, buffer, attn.scaling, self.rule)
+            if self.checkpoint is not None:
+                prefix_coverage(cands, buffer, attn.scaling, self.rule,
+                                torch.ones(n, dtype=torch.bool, device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def kv_pool_report(self, allocator) -> list:
         """Per stage (0 = the full pool): layers, slots, free slots, K+V bytes per slot."""
         free = allocator.available_size()
