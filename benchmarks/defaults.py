@@ -5,9 +5,11 @@ chunked prefill, prefill CUDA graphs, radix cache on), over the same prompts:
 
 * ``stock``: SGLang without the plugin (``SGLANG_PLUGINS=none``: the entry point is not loaded);
 * ``defaults``: ``enable_uniprefill=True`` and nothing else;
-* ``shared``: the defaults with ``uniprefill_kv_layout="shared"``;
+* ``staged``: the defaults with ``uniprefill_kv_layout="staged"``;
 * ``keep``: the defaults with ``uniprefill_keep_ratio="0.5,0.8"`` (random weights make top-p keep
-  almost everything, so this row shows the speed a real model's drops buy).
+  almost everything, so this row shows the speed a real model's drops buy);
+* ``keep_every_step``: ``keep`` with the cost rule off (``uniprefill_min_prompt_tokens=0``), to
+  find the step size below which a drop does not pay.
 
 Workloads: 64 prompts of 200-1200 tokens in one call, first after start-up (first call and best
 of 3); one request at each of ``--lengths`` (time to first token, ``max_new_tokens=1``; the
@@ -34,9 +36,13 @@ import time
 CONFIGS = {
     "stock": {},
     "defaults": {"enable_uniprefill": True},
-    "shared": {"enable_uniprefill": True, "uniprefill_kv_layout": "shared"},
+    "staged": {"enable_uniprefill": True, "uniprefill_kv_layout": "staged"},
     "keep": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8"},
+    # The cost rule off: where a drop stops paying for itself (its break-even).
+    "keep_every_step": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8",
+                        "uniprefill_min_prompt_tokens": 0},
 }
+WORKLOADS = ("short", "single", "mid", "follow", "decode")
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list:
@@ -109,15 +115,17 @@ def run_config(name: str, args) -> dict:
 
     # The short batch comes first: its first call is the first work after start-up.
     n_short, n_mid = [int(x) for x in args.batch_sizes.split(",")]
+    todo = set(args.workloads.split(","))
     short = [_ids(rng, rng.randint(200, 1200), vocab) for _ in range(n_short)]
     times = []
-    for _ in range(3):
+    for _ in range(3 if "short" in todo else 0):
         seconds, _ = _timed(engine, short, one)
         times.append(round(seconds, 4))
         flush(engine)
-    result["short_batch"] = {"first_s": times[0], "best_s": min(times)}
+    if times:
+        result["short_batch"] = {"first_s": times[0], "best_s": min(times)}
     result["single"] = {}
-    for n in lengths:
+    for n in lengths if "single" in todo else []:
         prompt = _ids(rng, n, vocab)
         seconds, out = _timed(engine, prompt, one)
         row = {"ttft_s": round(seconds, 4), **_meta(out)}
@@ -135,12 +143,13 @@ def run_config(name: str, args) -> dict:
         save()
     top = min(6144, max(lengths))
     mid = [_ids(rng, rng.randint(top // 3, top), vocab) for _ in range(n_mid)]
-    seconds, _ = _timed(engine, mid, one)
-    result["mid_batch"] = {"seconds": round(seconds, 4)}
-    flush(engine)
-    save()
+    if "mid" in todo:
+        seconds, _ = _timed(engine, mid, one)
+        result["mid_batch"] = {"seconds": round(seconds, 4)}
+        flush(engine)
+        save()
     result["follow_ups"] = {}
-    for doc_len in [int(x) for x in args.doc_tokens.split(",")]:
+    for doc_len in [int(x) for x in args.doc_tokens.split(",")] if "follow" in todo else []:
         doc = _ids(rng, doc_len, vocab)
         first, _ = _timed(engine, doc + _ids(rng, 100, vocab), one)
         follow = []
@@ -153,6 +162,10 @@ def run_config(name: str, args) -> dict:
         flush(engine)
         save()
     prompt = _ids(rng, min(8192, max(lengths)), vocab)
+    if "decode" not in todo:
+        save()
+        engine.shutdown()
+        return result
     t_first, _ = _timed(engine, prompt, one)
     flush(engine)
     t_all, _ = _timed(engine, prompt, {"temperature": 0.0, "max_new_tokens": 65,
@@ -173,6 +186,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
                     help="prompts in the short (200-1200 tokens) and 2K-6K batches")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--per-config", default="{}",
+                    help='JSON: per configuration, arguments that replace these, e.g. '
+                         '{"keep_every_step": {"lengths": "512,1024", "workloads": "single"}}')
     ap.add_argument("--extra", default="{}", help="JSON: more Engine arguments, every row")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run on SGLang's CPU engine")
     ap.add_argument("--out", required=True)
@@ -191,8 +209,10 @@ def main() -> None:
         env = dict(os.environ)
         if name == "stock":
             env["SGLANG_PLUGINS"] = "none"
+        mine = {**vars(args), **json.loads(args.per_config).get(name, {})}
         cmd = [sys.executable, os.path.abspath(__file__), "--model-path", args.model_path,
-               "--lengths", args.lengths, "--doc-tokens", args.doc_tokens,
+               "--lengths", mine["lengths"], "--doc-tokens", args.doc_tokens,
+               "--workloads", mine["workloads"],
                "--attention-backend", args.attention_backend, "--seed", str(args.seed),
                "--batch-sizes", args.batch_sizes, "--extra", args.extra, "--device", args.device,
                "--out", args.out, "--one-config", name, "--partial", partial]

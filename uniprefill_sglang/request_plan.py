@@ -139,14 +139,17 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
     if fill is not None and rng is not None and rng.end < len(fill):
         # Earlier chunks cannot see the prompt's last queries: they stop at the first drop
         # layer and the final chunk scores their tokens together with its own.
-        if prompt_len < config.min_tokens_to_drop:
+        if prompt_len - cached_len < config.min_tokens_to_drop:
             return dense("prompt under the minimum length")
         return RequestDecision(False, top_p, keep_ratio or (),
                                "non-final chunk, parked at the first drop layer",
                                park=True, rid=req.rid, prompt_len=prompt_len,
                                prefix_policy=policy, cached_len=cached_len)
-    # A final chunk counts the earlier chunks' tokens too.
-    tokens = rng.end if rng is not None and rng.start > 0 else extend_len
+    # The cost rule counts what the step computes: its new tokens and the rows its earlier
+    # chunks parked, which rejoin here; a cached prefix only where it may rejoin (re-selection).
+    may_reselect = cached_len > 0 and policy in RESTORES_DENSE and config.prefix_checkpoint
+    start = rng.start if rng is not None else 0
+    tokens = extend_len + max(0, start - (0 if may_reselect else cached_len))
     if tokens < config.min_tokens_to_drop:
         return dense("prompt under the minimum length")
     return RequestDecision(True, top_p, keep_ratio or (), None,

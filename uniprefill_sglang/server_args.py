@@ -39,6 +39,10 @@ from uniprefill_sglang.config import (
 logger = logging.getLogger(__name__)
 
 
+# The cost rule's default on a GPU: below this many new tokens a prefill step's drop does not
+# pay for itself (benchmarks/README.md, "The defaults").
+GPU_MIN_STEP_TOKENS = 2048
+
 # Block-scaled KV caches (packed FP4 or MX values with separate scales).
 _UNSUPPORTED_KV_CACHE_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16", "fp4_e2m1")
 
@@ -85,8 +89,13 @@ class UniPrefillServerArgs(ServerArgs):
         Arg(help="UniPrefill: comma-separated drop layers, 'none', or unset for the per-architecture default."),
     ] = None
     uniprefill_min_prompt_tokens: A[
-        int, Arg(help="UniPrefill: prefill steps with fewer new tokens run dense.")
-    ] = 0
+        Optional[int],
+        Arg(help="UniPrefill's cost rule: a prefill step whose new tokens (with the rows its "
+                 "earlier chunks parked; a cached prefix counts only where it may be "
+                 "re-selected) are fewer runs as stock SGLang, CUDA graph included. Default: "
+                 f"{GPU_MIN_STEP_TOKENS} on a GPU (the break-even measured on an H200), 0 on "
+                 "the CPU.")
+    ] = None
     uniprefill_max_parked_tokens: A[
         int,
         Arg(help="UniPrefill chunked prefill: the most prompt tokens whose hidden state is parked "
@@ -142,6 +151,9 @@ class UniPrefillServerArgs(ServerArgs):
 
     def __post_init__(self):
         if self.enable_uniprefill:
+            if self.uniprefill_min_prompt_tokens is None:
+                self.uniprefill_min_prompt_tokens = (
+                    GPU_MIN_STEP_TOKENS if self.device != "cpu" and _on_cuda(self.device) else 0)
             # Fail before SGLang's (long) resolution pass.
             self.uniprefill_config()
             if self.device == "cpu" and self.attention_backend is None:
