@@ -202,7 +202,9 @@ class UniPrefillRuntime:
         if attn is None:
             return
         buffer = self.token_to_kv_pool.get_key_buffer(attn.layer_id)
-        n = min(4 * self.config.block_size + self.config.last_queries, buffer.shape[0] - 1)
+        # Long enough that the scoring kernel splits its keys, as for real prompts: Triton
+        # compiles a kernel anew for an integer argument equal to 1 (here, one split).
+        n = min(4096, buffer.shape[0] - 1)
         q = min(self.config.last_queries, n)
         device = buffer.device
         gen = torch.Generator(device=device).manual_seed(0)
