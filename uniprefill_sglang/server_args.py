@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # The cost rule's default on a GPU: below this many new tokens a prefill step's drop does not
 # pay for itself (benchmarks/README.md, "The defaults").
-GPU_MIN_STEP_TOKENS = 2048
+GPU_MIN_STEP_TOKENS = 3072
 
 # Block-scaled KV caches (packed FP4 or MX values with separate scales).
 _UNSUPPORTED_KV_CACHE_DTYPES = ("mxfp8", "nvfp4", "fp4_mx_block16", "fp4_e2m1")
