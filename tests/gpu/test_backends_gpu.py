@@ -53,6 +53,7 @@ DROP_LAYERS = "1,3"  # stages: layers 0-1, 2-3, 4-5
 
 COMMON_ENGINE_KWARGS = dict(
     enable_uniprefill=True,
+    uniprefill_min_prompt_tokens=0,  # correctness on short prompts: no cost rule
     uniprefill_keep_ratio=0.5,
     uniprefill_drop_layers=DROP_LAYERS,
     enable_mixed_chunk=True,
