@@ -46,6 +46,14 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types,
                                      attention_backends=backends)
     unsupported = unsupported_architecture_reason(architectures, layer_types, backends)
+    entry = architecture_entry(architectures)
+    if (entry is not None and entry.recurrent_state and drop_layers
+            and not server_args.disable_radix_cache):
+        # Start-up turns the radix cache off for such a family; it could not read the model's
+        # config then, and prefix reuse over dropped tokens is not built for a recurrent state.
+        unsupported = (f"{', '.join(architectures)} keeps a recurrent state per cached prefix and "
+                       "the radix cache is on; start with --disable-radix-cache to drop")
+        drop_layers = ()
     set_no_schedule_reason(unsupported)
     if unsupported:
         # Served dense, every request says why in meta_info; say it once here, loudly.
@@ -57,8 +65,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
                                 checkpoint_shape=_checkpoint_shape(model_runner, config),
                                 allocator=model_runner.token_to_kv_pool_allocator)
     runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
-    if drop_layers and not model_integration.install(model_runner.model, runtime,
-                                                     architecture_entry(architectures)):
+    if drop_layers and not model_integration.install(model_runner.model, runtime, entry):
         log_fallback_once(f"model {type(model_runner.model).__name__} does not have the decoder "
                           "layers its architecture's integration expects")
         runtime.stages = LayerStages((), num_layers)

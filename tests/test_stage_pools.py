@@ -151,3 +151,23 @@ def test_decode_views_name_each_stages_own_slots(seed):
             got = indices[s - 1][indptr[s - 1][b]:indptr[s - 1][b + 1]].tolist()
             assert got == want and all(w > 0 for w in want)
     assert pools.check() == []
+
+
+def test_idle_pool_problems_counts_every_stage_pool():
+    """The leak check of the soak and the HTTP end-state test reads every stage pool, the
+    pools' own invariant check and the private prefix slots, not the full pool alone."""
+    from uniprefill_sglang.tools.server_process import idle_pool_problems, leaked_slots
+
+    sound = dict(idle=True, protected_kv_tokens=0, available_kv_tokens=900,
+                 evictable_kv_tokens=100, max_total_num_tokens=1000, free_req_slots=4,
+                 req_slots=4, parked_requests=0, private_prefix_slots=0, kv_pool_problems=[],
+                 kv_pools=[dict(stage=0, size=1000, free=900), dict(stage=1, size=500, free=440)])
+    assert idle_pool_problems(sound) == [] and leaked_slots(sound) == 0
+    leaking = dict(sound, kv_pools=[sound["kv_pools"][0], dict(stage=1, size=500, free=380)],
+                   kv_pool_problems=["stage 1: 20 slots neither free nor mapped"],
+                   private_prefix_slots=7)
+    problems = idle_pool_problems(leaking)
+    assert any("stage pool 1 holds 20 slots" in p for p in problems), problems
+    assert any(p.startswith("kv_pool_problems:") for p in problems), problems
+    assert any("private_prefix_slots=7" in p for p in problems), problems
+    assert leaked_slots(leaking) == 20

@@ -53,7 +53,7 @@ from uniprefill_sglang.backends.common import (
     view_cache,
     write_kv,
 )
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import UniPrefillError, current
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     compact,
@@ -197,9 +197,14 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
                    *args, **kwargs):
     """AROUND `FlashInferAttnBackend.forward_extend`."""
     runtime, ctx = active_runtime(), current()
-    if (not extend_needs_view(ctx, runtime, layer) or k is None or args or kwargs
-            or not ADAPTER.supported(backend)):
+    if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    if k is None or args or kwargs or not ADAPTER.supported(backend):
+        # Upstream would read KV this layer's stage does not hold: never fall through to it.
+        why = ADAPTER.unsupported_reason(backend) or (
+            "no new keys" if k is None else f"extra arguments {sorted(kwargs) or len(args)}")
+        raise UniPrefillError(f"FlashInfer layer {layer.layer_id} needs a per-stage KV view "
+                              f"that this call cannot take ({why})")
     stage = runtime.stages.stage(layer.layer_id)
     view = _plan_extend_view(backend, runtime, ctx, forward_batch, stage)
     if save_kv_cache:

@@ -213,13 +213,33 @@ def idle_pool_problems(state: Mapping) -> list[str]:
         problems.append(f"free_req_slots={state['free_req_slots']} of {state['req_slots']}")
     if state["parked_requests"] != 0:
         problems.append(f"parked_requests={state['parked_requests']} (want 0)")
+    if state.get("private_prefix_slots", 0) != 0:
+        problems.append(f"private_prefix_slots={state['private_prefix_slots']} (want 0)")
+    # The staged layout: the pools' own invariant check, and no stage pool holding more slots
+    # than the cache has tokens (a cached token holds a stage slot only where it survived).
+    problems += [f"kv_pool_problems: {p}" for p in state.get("kv_pool_problems") or []]
+    for extra in _stage_pool_excess(state):
+        problems.append(f"stage pool {extra[0]} holds {extra[1]} slots more than the cache has "
+                        "tokens")
     return problems
 
 
+def _stage_pool_excess(state: Mapping) -> list:
+    """(stage, slots) for each stage pool holding more slots than there are cached tokens."""
+    out = []
+    for pool in (state.get("kv_pools") or [])[1:]:
+        held = pool["size"] - pool["free"]
+        if held > state["evictable_kv_tokens"]:
+            out.append((pool["stage"], held - state["evictable_kv_tokens"]))
+    return out
+
+
 def leaked_slots(state: Mapping) -> int:
-    """KV slots plus request slots not accounted free or cached at idle (0 when none leaked)."""
+    """KV slots (of the full pool, and the most any stage pool holds past the cached tokens)
+    plus request slots not accounted free or cached at idle (0 when none leaked)."""
     kv = state["max_total_num_tokens"] - state["available_kv_tokens"] - state["evictable_kv_tokens"]
-    return kv + state["req_slots"] - state["free_req_slots"]
+    stages = max((n for _, n in _stage_pool_excess(state)), default=0)
+    return kv + stages + state["req_slots"] - state["free_req_slots"]
 
 
 def run_cpu_env(repo_root: Optional[str] = None, base: Optional[Mapping[str, str]] = None
