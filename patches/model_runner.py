@@ -151,59 +151,66 @@ def _tp_agreement(model_runner):
 
 
 def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs):
-    from uniprefill_sglang.context import CheckFailed
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
     if runtime is None:
         return original(model_runner, forward_batch, *args, **kwargs)
     plan = getattr(forward_batch, "uniprefill_plan", None)
-    ctx = runtime.begin_forward(forward_batch)
-    try:
-        result = original(model_runner, forward_batch, *args, **kwargs)
-    except Exception as error:
-        if isinstance(error, CheckFailed) or not _uniprefill_acted(ctx):
-            runtime.end_forward(ctx)
-            raise
-        logger.exception("UniPrefill: a %s forward failed in UniPrefill's code; running it again "
-                         "dense", "prefill" if ctx.is_extend else "decode")
-        if not ctx.is_extend or plan is None:
-            runtime.abandon_forward(ctx)
-            for row in runtime.host_rows(forward_batch):
-                runtime.kv_gaps.invalidate(row)
-            return _run_once(original, runtime, model_runner, forward_batch, *args, **kwargs)
-        if not _recoverable(runtime, error):
-            runtime.end_forward(ctx)
-            raise
-        # Dense from the prompt's first token: parked rows of earlier chunks and cached
-        # prefixes that lack tokens rejoin whole, so no later layer misses a token.
-        runtime.abandon_forward(ctx)
-        why = f"{type(error).__name__}: {error}"
-        forward_batch.uniprefill_plan = plan.all_dense(
-            f"UniPrefill error, re-prefilled dense: {why}", restore=True)
-        ctx = runtime.begin_forward(forward_batch)
-        try:
-            result = original(model_runner, forward_batch, *args, **kwargs)
-        except Exception as second:
-            if isinstance(second, CheckFailed) or not _uniprefill_acted(ctx):
-                runtime.end_forward(ctx)
-                raise
-            # The dense run needed UniPrefill's code too (rows rejoined) and failed: run the
-            # batch plain, and fail the requests whose earlier chunks it could not recompute.
-            logger.exception("UniPrefill: the dense re-run failed too; failing the requests "
-                             "whose earlier chunks it could not recompute")
-            runtime.abandon_forward(ctx, give_up_parking=True)
-            forward_batch.uniprefill_plan = plan.all_dense(
-                f"UniPrefill error, ran dense: {why}")
-            return _run_once(original, runtime, model_runner, forward_batch, *args, **kwargs)
-    runtime.end_forward(ctx)
-    return result
 
-
-def _run_once(original, runtime, model_runner, forward_batch, *args, **kwargs):
-    ctx = runtime.begin_forward(forward_batch)
-    try:
+    def run():
         return original(model_runner, forward_batch, *args, **kwargs)
+
+    result, failure = _attempt(runtime, forward_batch, run)
+    if failure is None:
+        return result
+    error, ctx = failure
+    logger.error("UniPrefill: a %s forward failed in UniPrefill's code; running it again dense",
+                 "prefill" if ctx.is_extend else "decode", exc_info=error)
+    runtime.abandon_forward(ctx)
+    if not ctx.is_extend or plan is None:
+        for row in runtime.host_rows(forward_batch):
+            runtime.kv_gaps.invalidate(row)
+        return _run_once(runtime, forward_batch, run)
+    # Dense from the prompt's first token: parked rows of earlier chunks and cached prefixes
+    # that lack tokens rejoin whole, so no later layer misses a token.
+    why = f"{type(error).__name__}: {error}"
+    forward_batch.uniprefill_plan = plan.all_dense(
+        f"UniPrefill error, re-prefilled dense: {why}", restore=True)
+    result, failure = _attempt(runtime, forward_batch, run)
+    if failure is None:
+        return result
+    # The dense run needed UniPrefill's code too (rows rejoined) and failed: run the batch
+    # plain, and fail the requests whose earlier chunks it could not recompute.
+    logger.error("UniPrefill: the dense re-run failed too; failing the requests whose earlier "
+                 "chunks it could not recompute", exc_info=failure[0])
+    runtime.abandon_forward(failure[1], give_up_parking=True)
+    forward_batch.uniprefill_plan = plan.all_dense(f"UniPrefill error, ran dense: {why}")
+    return _run_once(runtime, forward_batch, run)
+
+
+def _attempt(runtime, forward_batch, run):
+    """One forward in a drop context: (result, None), or (None, (error, its context)) when it
+    raised where UniPrefill acted and may be recovered from; any other error propagates."""
+    from uniprefill_sglang.context import CheckFailed
+
+    ctx = runtime.begin_forward(forward_batch)
+    try:
+        result = run()
+    except Exception as error:
+        if (isinstance(error, CheckFailed) or not _uniprefill_acted(ctx)
+                or not _recoverable(runtime, error)):
+            runtime.end_forward(ctx)
+            raise
+        return None, (error, ctx)
+    runtime.end_forward(ctx)
+    return result, None
+
+
+def _run_once(runtime, forward_batch, run):
+    ctx = runtime.begin_forward(forward_batch)
+    try:
+        return run()
     finally:
         runtime.end_forward(ctx)
 
