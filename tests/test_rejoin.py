@@ -41,6 +41,7 @@ def _run(engine, prompt, **knobs):
 
 @pytest.fixture(scope="module")
 def kept_runs(smollm2_path):
+    before = os.environ.get("UNIPREFILL_REPORT_KEPT")  # other modules set it at import
     os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
     out = {}
     try:
@@ -55,7 +56,10 @@ def kept_runs(smollm2_path):
             finally:
                 engine.shutdown()
     finally:
-        os.environ.pop("UNIPREFILL_REPORT_KEPT", None)
+        if before is None:
+            os.environ.pop("UNIPREFILL_REPORT_KEPT", None)
+        else:
+            os.environ["UNIPREFILL_REPORT_KEPT"] = before
     return out
 
 
