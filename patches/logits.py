@@ -2,7 +2,9 @@
 
 Why: after a drop the hidden states hold only the survivors, while the processor finds each
 request's last token from the ForwardBatch's original extend lengths. The last token always
-survives, so pointing it at the compacted lengths gives the same logits. The per-stage kept
+survives, so pointing it at the compacted lengths gives the same logits. A dense request whose
+earlier rows rejoined whole (runtime.py) passes on its own rows only, as a dense step would (its
+input logprobs, if asked for, cover its own tokens). The per-stage kept
 counts are returned through `customized_info`, which SGLang copies into `meta_info` (under
 UNIPREFILL_CHECK_KV_LENS also `kv_missing`: per later stage, the request's tokens whose KV the
 device slot map says that stage lacks).
@@ -18,7 +20,7 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
     from sglang.srt.layers.logits_processor import LogitsMetadata
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from uniprefill_sglang.context import current
+    from uniprefill_sglang.context import current, to_device
 
     ctx = current()
     if ctx is None or not ctx.is_extend or ctx.plan is None:
@@ -27,7 +29,11 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
     if ctx.compacted:
         if isinstance(logits_metadata, ForwardBatch):
             logits_metadata = LogitsMetadata.from_forward_batch(logits_metadata)
-        logits_metadata.extend_seq_lens = ctx.lens_tensor.to(logits_metadata.extend_seq_lens.dtype)
+        own = ctx.own_rows()
+        if own is not None:  # rows that rejoined whole are not this step's tokens
+            hidden_states = hidden_states.index_select(0, own)
+        logits_metadata.extend_seq_lens = to_device(
+            ctx.own_lens(), logits_metadata.extend_seq_lens.dtype, hidden_states.device)
     output = original(processor, input_ids, hidden_states, lm_head, logits_metadata,
                       *args, **kwargs)
     from uniprefill_sglang.runtime import get_runtime

@@ -67,6 +67,9 @@ class DropContext:
     # request drops.
     parked_before: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     rejoins: bool = False
+    # Dense requests whose earlier rows rejoined whole: b -> rows ahead of its own (the logits
+    # see its own rows only, as a dense step's would: patches/logits.py).
+    rejoined_whole: Dict[int, int] = dataclasses.field(default_factory=dict)
     # Per request: why it ran dense or dropped less than its decision said (set by the drop).
     notes: Dict[int, str] = dataclasses.field(default_factory=dict)
     # Per request with a cached prefix: what it did with it (prefix_reuse.PrefixOutcome), and
@@ -96,6 +99,22 @@ class DropContext:
     @property
     def lens_tensor(self) -> torch.Tensor:
         return to_device(self.lens, torch.int32, self.positions.device)
+
+    def own_rows(self) -> Optional[torch.Tensor]:
+        """Rows of the current hidden states that are this step's own tokens for requests whose
+        earlier rows rejoined whole, and every current row of the others; None when no request
+        rejoined whole."""
+        if not self.rejoined_whole:
+            return None
+        pieces, start = [], 0
+        for b, n in enumerate(self.lens):
+            skip = self.rejoined_whole.get(b, 0)
+            pieces.append(torch.arange(start + skip, start + n, device=self.positions.device))
+            start += n
+        return torch.cat(pieces)
+
+    def own_lens(self) -> List[int]:
+        return [n - self.rejoined_whole.get(b, 0) for b, n in enumerate(self.lens)]
 
     def segment_starts(self) -> List[int]:
         starts, acc = [], 0

@@ -280,6 +280,7 @@ class UniPrefillRuntime:
         for b, rows, joined in whole:  # dense requests whose parked rows or prefix rejoin
             keep.index_fill_(0, rows, True)
             ctx.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
+            ctx.rejoined_whole[b] = joined
         if selecting:
             self._select(ctx, layer, cands, selecting, keep, total, stage)
         for b, seg in parking:
