@@ -108,6 +108,7 @@ class UniPrefillRuntime:
             ctx.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, ctx.fixed_lens)
             ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
             if plan is not None and self.has_schedule:
+                self._note_refused_parking(ctx)
                 parked = {d.rid: self.parking.get(d.rid) for d in plan.decisions
                           if self.parking.is_parked(d.rid)}
                 ctx.parked_before = {rid: (rows, rows.count) for rid, rows in parked.items()}
@@ -124,6 +125,15 @@ class UniPrefillRuntime:
                                            ctx.kv_gaps)
         set_current(ctx)
         return ctx
+
+    def _note_refused_parking(self, ctx: DropContext) -> None:
+        """A final chunk whose earlier chunks were refused parking says why; nothing is left to
+        remember of the request after it."""
+        for b, d in enumerate(ctx.plan.decisions):
+            why = None if d.park else self.parking.refused.pop(d.rid, None)
+            if why is not None:
+                ctx.note(b, f"earlier chunks not parked ({why})" + (
+                    ": drops among its final chunk's tokens only" if d.enabled else ""))
 
     def end_forward(self, ctx: DropContext) -> None:
         set_current(None)
@@ -322,14 +332,9 @@ class UniPrefillRuntime:
                                                                         ctx.fixed_lens[b]):
                 parking.append((b, own))
                 continue
-            if first_drop and d.rid in self.parking.refused:
-                why = self.parking.refused[d.rid]
-                if d.park:
-                    ctx.note(b, f"non-final chunk, not parked ({why}): runs dense")
-                elif d.enabled:  # its final chunk: nothing to remember after it
-                    del self.parking.refused[d.rid]
-                    ctx.note(b, f"earlier chunks not parked ({why}): drops among its final "
-                                "chunk's tokens only")
+            if first_drop and d.park and d.rid in self.parking.refused:
+                ctx.note(b, f"non-final chunk, not parked ({self.parking.refused[d.rid]}): "
+                            "runs dense")
             parked = self.parking.get(d.rid) if first_drop else None
             if not d.enabled and b not in rejoining and parked is None:
                 continue
