@@ -174,13 +174,15 @@ def select_segment_reference(
     keep_ratio: float,
     sink_tokens: int,
     last_window: int,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Boolean keep mask over one segment's candidates."""
+    """Boolean keep mask over one segment's candidates; block scores summed in ``compute_dtype``
+    (float32 as the Triton kernel does, float64 for a reference of the whole selection)."""
     nc = cand_scores.shape[0]
     keep = torch.zeros(nc, dtype=torch.bool, device=cand_scores.device)
     if nc == 0:
         return keep
-    blocks = block_scores_reference(cand_scores.to(torch.float32), block_size)
+    blocks = block_scores_reference(cand_scores.to(compute_dtype), block_size)
     nb = blocks.shape[0]
     if keep_ratio > 0:
         k = num_blocks_for_ratio(keep_ratio, nb)

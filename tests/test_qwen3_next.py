@@ -3,9 +3,9 @@
 The model is a reduced Qwen3-Next with random weights (`Qwen3NextForCausalLM`: 4 layers, a full
 attention layer every second one, MoE MLPs with a shared expert), written by transformers. SGLang
 runs its GDN layers on the CPU through the `sgl_kernel` CPU kernels, which the test-only stand-in
-forwards to the torch references of `uniprefill_sglang.tools.gdn_reference` (checked here against
-transformers' own torch implementation), and a few fused Triton kernels of the model (its gated
-RMSNorm, the shared expert's gate) through Triton's interpreter.
+forwards to the torch references of `uniprefill_sglang.backends.linear_attention_reference`
+(checked here against transformers' own torch implementation), and a few fused Triton kernels of
+the model (its gated RMSNorm, the shared expert's gate) through Triton's interpreter.
 
 With drops at layer 1, layer 2 (Gated DeltaNet) and layer 3 (full attention) run on the
 survivors:
@@ -24,7 +24,7 @@ import random
 import pytest
 import torch
 
-from uniprefill_sglang.tools import gdn_reference as ref
+from uniprefill_sglang.backends import linear_attention_reference as ref
 from uniprefill_sglang.tools.cpu_engine import idle_state, make_cpu_engine, triton_interpreter
 
 CONFIG = dict(

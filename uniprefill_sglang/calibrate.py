@@ -428,6 +428,89 @@ def measured_summary(runs: list[dict], dense: dict, cases, schedule: Optional[Sc
     return out
 
 
+class EngineSwitcher:
+    """One SGLang engine at a time, restarted when a schedule needs other drop layers or another
+    block size (top-p comes with each request)."""
+
+    def __init__(self, model_path: str, engine_kwargs: dict):
+        self.model_path, self.engine_kwargs = model_path, engine_kwargs
+        self.engine, self.key, self.started = None, None, 0
+
+    def use(self, schedule: Schedule):
+        key = _engine_key(schedule)
+        if self.key == key:
+            return self.engine
+        self.shutdown()
+        self.engine = start_engine(self.model_path, *key, self.engine_kwargs)
+        self.key, self.started = key, self.started + 1
+        return self.engine
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+            gc.collect()
+        self.key = None
+
+
+def _engine_key(schedule: Schedule) -> tuple:
+    return schedule.drop_layers, schedule.block_size
+
+
+def _progress_bar(cases, desc: str, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(cases, desc=desc, unit="req", disable=not progress, file=sys.stderr)
+
+
+def confirm_candidates(setup: Setup, engines: EngineSwitcher, rows: list[dict],
+                       dense: dict) -> None:
+    """Generate with each candidate on the calibration cases dense answers right, stopping once
+    it cannot meet the target; stores its measured summary in row["confirmed"] and its answers
+    in row["runs"]."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[_engine_key(r["schedule"])].append(r)
+    right = [c for c in setup.calibration if dense[c.name]["correct"]]
+    allowed_misses = math.floor((1 - setup.args.target_agreement) * len(right) + 1e-9)
+    # The group of the best estimate last: if it wins, its engine serves the held-out cases.
+    for group in reversed(list(groups.values())):
+        engine = engines.use(group[0]["schedule"])
+        for r in group:
+            s, runs, misses = r["schedule"], [], 0
+            for c in _progress_bar(right, f"confirm {s.name}", setup.progress):
+                res = {"case": c.name, **generate(engine, c, {"uniprefill_top_p": s.top_p})}
+                runs.append(res)
+                misses += not res["correct"]
+                if misses > allowed_misses:  # cannot meet the target any more
+                    break
+            r["confirmed"] = measured_summary(runs, dense, setup.calibration, s, setup.shape,
+                                              setup.lengths)
+            r["confirmed"]["stopped_early"] = len(runs) < len(right)
+            r["runs"] = runs
+
+
+def choose_schedule(confirmed: list[dict], target_agreement: float, longest: int) -> dict:
+    """The candidate with the largest confirmed FLOP saving at the longest length among those
+    that met the target on every calibration case; else the one that agreed most often."""
+    meeting = [r for r in confirmed if r["confirmed"]["agreement"] is not None
+               and r["confirmed"]["agreement"] >= target_agreement
+               and not r["confirmed"]["stopped_early"]]
+    if meeting:
+        return max(meeting, key=lambda r: (
+            r["confirmed"]["flop_ideal_speedup"].get(str(longest), 1.0),
+            r["est_flop_ideal"][longest]))
+    return max(confirmed, key=lambda r: (r["confirmed"]["agree"], r["est_flop_ideal"][longest]))
+
+
+def heldout_summary(setup: Setup, engine, schedule: Schedule, dense: dict, desc: str) -> dict:
+    """`schedule` on the held-out cases dense answers right (dense already answered them all)."""
+    right = [c for c in setup.heldout if dense[c.name]["correct"]]
+    runs = [{"case": c.name, **generate(engine, c, {"uniprefill_top_p": schedule.top_p})}
+            for c in _progress_bar(right, desc, setup.progress)]
+    return measured_summary(runs, dense, setup.heldout, schedule, setup.shape, setup.lengths)
+
+
 # ---------------------------------------------------------------------------------------------
 # report
 
@@ -490,6 +573,25 @@ def table(rows: list[dict], lengths) -> str:
     return "\n".join(lines)
 
 
+def _schedule_json(schedule: Schedule) -> dict:
+    return {"drop_layers": list(schedule.drop_layers), "top_p": schedule.top_p,
+            "block_size": schedule.block_size}
+
+
+def _estimate_json(row: dict) -> dict:
+    return {"agree": row["est_agree"], "cases": row["est_cases"],
+            "kept_final": {str(L): round(v, 4) for L, v in row["est_kept_final"].items()},
+            "flop_ideal_speedup": {str(L): round(v, 3) for L, v in row["est_flop_ideal"].items()}}
+
+
+def _agreement_json(summary: dict) -> dict:
+    return {k: summary[k] for k in ("agree", "dense_correct", "cases", "agreement", "failed")}
+
+
+def _speedups(summary: dict) -> str:
+    return ", ".join(f"{L}: {v:.2f}x" for L, v in summary["flop_ideal_speedup"].items())
+
+
 def _git_commit() -> Optional[str]:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -550,227 +652,253 @@ def parse_args(argv=None):
     return args
 
 
+# ---------------------------------------------------------------------------------------------
+# the run: set-up, offline estimate, confirmation, outputs
+
+
+@dataclasses.dataclass
+class Setup:
+    """The flags, the model and the cases that every step of a run reads."""
+    args: argparse.Namespace
+    command: str
+    started: datetime.datetime
+    model_path: str
+    shape: ModelShape
+    tokenizer: object
+    engine_kwargs: dict
+    tasks: list[str]
+    lengths: list[int]
+    calibration: list = dataclasses.field(default_factory=list)
+    heldout: list = dataclasses.field(default_factory=list)
+
+    @property
+    def progress(self) -> bool:
+        return not self.args.no_progress
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+
+@dataclasses.dataclass
+class SearchSpace:
+    layer_sets: list[tuple[int, ...]]
+    schedules: list[Schedule]
+    default: Schedule  # the plugin's own default, estimated beside the candidates
+    heatmap_layers: dict[int, int]  # single drop layer -> its block size in the heat map
+
+
+@dataclasses.dataclass
+class Estimates:
+    records: list[dict]  # per calibration case (estimate_cases)
+    rows: list[dict]  # per candidate schedule (summarize_estimates)
+    default_row: dict
+    passing: list[dict]  # the rows meeting the target, largest FLOP saving first
+    to_confirm: list[dict]
+    seconds: float
+
+
+@dataclasses.dataclass
+class Confirmation:
+    confirmed: list[dict]  # estimate rows with their "confirmed" summary and "runs"
+    best: dict
+    heldout: dict  # measured_summary of the chosen schedule on the held-out cases
+    default_heldout: Optional[dict]
+    engines_started: int
+    seconds: float
+
+
+def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
+    """Load the model's config and tokenizer and build the calibration and held-out cases."""
+    if _use_cpu_engine():
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
+
+        activate_cpu_engine_env()  # before anything imports sglang
+    from transformers import AutoConfig, AutoTokenizer
+
+    from uniprefill_sglang.tools.model_zoo import MODELS, prepare_model
+
+    model_path = prepare_model(args.model) if args.model in MODELS else args.model
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_path))
+    budget = shape.context_length - 64  # room for the answer within the context
+    setup = Setup(args=args, command="python -m uniprefill_sglang.calibrate " + " ".join(argv),
+                  started=started, model_path=model_path, shape=shape,
+                  tokenizer=AutoTokenizer.from_pretrained(model_path),
+                  engine_kwargs=json.loads(args.engine_kwargs),
+                  tasks=[t for t in args.tasks.split(",") if t],
+                  lengths=[min(L, budget) for L in _ints(args.lengths)])
+    setup.calibration = _cases(setup, _ints(args.seeds), _floats(args.depths))
+    setup.heldout = _cases(setup, _ints(args.heldout_seeds), _floats(args.heldout_depths))
+    return setup
+
+
+def _cases(setup: Setup, seeds, depths) -> list:
+    """One case per cell of the seed x length x task grid, the depths cycling over the grid
+    (varied needle positions)."""
+    from uniprefill_sglang.tools.tasks import make_case
+
+    grid = [(s, L, t) for s in seeds for L in setup.lengths for t in setup.tasks]
+    grid = grid[:setup.args.max_cases] if setup.args.max_cases else grid
+    return [make_case(setup.tokenizer, t, L, depths[i % len(depths)], s)
+            for i, (s, L, t) in enumerate(grid)]
+
+
+def search_space(args, shape: ModelShape) -> SearchSpace:
+    from uniprefill_sglang.config import DEFAULT_TOP_P, default_drop_layers
+
+    if args.layer_sets:
+        layer_sets = [tuple(_ints(s)) for s in args.layer_sets.split(";")]
+    else:
+        layer_sets = candidate_layer_sets(shape.num_layers, args.max_drops, args.first_layer_step)
+    return SearchSpace(
+        layer_sets=layer_sets,
+        schedules=candidate_schedules(layer_sets, _floats(args.top_p), _ints(args.block_sizes)),
+        default=Schedule(default_drop_layers(shape.num_layers), DEFAULT_TOP_P, 64),
+        # Every layer that a candidate drops first at, at the smallest block size.
+        heatmap_layers={ls[0]: min(_ints(args.block_sizes)) for ls in layer_sets})
+
+
+def estimate(setup: Setup, space: SearchSpace) -> Estimates:
+    """The offline step: replay every candidate (and the default) on the calibration cases and
+    pick the candidates to confirm."""
+    import torch
+
+    args = setup.args
+    t0 = time.perf_counter()
+    if args.offline_threads:
+        torch.set_num_threads(args.offline_threads)
+    records = estimate_cases(setup.model_path, setup.calibration, [*space.schedules, space.default],
+                             space.heatmap_layers, setup.tokenizer, args.sink_tokens,
+                             args.last_queries, setup.progress,
+                             "cuda" if torch.cuda.is_available() else "cpu", _floats(args.top_p))
+    seconds = time.perf_counter() - t0
+    rows = summarize_estimates(records, space.schedules, setup.shape, setup.lengths)
+    passing = sorted((r for r in rows if r["est_agreement"] >= args.target_agreement),
+                     key=lambda r: (-r["est_flop_ideal"][setup.longest],
+                                    -sum(r["est_flop_ideal"].values())))
+    print(f"offline: {len(space.schedules)} schedules on {len(records)} cases in {seconds:.0f} s; "
+          f"{len(passing)} meet the target by estimate", flush=True)
+    # Nothing meets the target by estimate: confirm the closest.
+    to_confirm = (passing[:args.confirm]
+                  or sorted(rows, key=lambda r: -r["est_agreement"])[:args.confirm])
+    default_row = summarize_estimates(records, [space.default], setup.shape, setup.lengths)[0]
+    return Estimates(records=records, rows=rows, default_row=default_row, passing=passing,
+                     to_confirm=to_confirm, seconds=seconds)
+
+
+def confirm(setup: Setup, space: SearchSpace, est: Estimates) -> Confirmation:
+    """The generation step: confirm the candidates, choose one, and measure it (and, with
+    --compare-default, the default schedule) on the held-out cases."""
+    t0 = time.perf_counter()
+    # Calibration cases: the offline pass's greedy answer is the dense reference.
+    dense = {r["case"].name: {"case": r["case"].name, "text": r["hf_dense_text"],
+                              "correct": r["hf_dense_correct"]} for r in est.records}
+    engines = EngineSwitcher(setup.model_path, setup.engine_kwargs)
+    try:
+        confirm_candidates(setup, engines, est.to_confirm, dense)
+        confirmed = [r for r in est.to_confirm if "confirmed" in r]
+        best = choose_schedule(confirmed, setup.args.target_agreement, setup.longest)
+        best["tag"] = " **chosen**"
+        engine = engines.use(best["schedule"])
+        for c in _progress_bar(setup.heldout, "dense (held-out)", setup.progress):
+            if c.name not in dense:
+                dense[c.name] = {"case": c.name, **generate(engine, c, DENSE)}
+        heldout = heldout_summary(setup, engine, best["schedule"], dense, "held-out")
+        default_heldout = None
+        if setup.args.compare_default:
+            default_heldout = heldout_summary(setup, engines.use(space.default), space.default,
+                                              dense, "default schedule, held-out")
+    finally:
+        engines.shutdown()
+    return Confirmation(confirmed=confirmed, best=best, heldout=heldout,
+                        default_heldout=default_heldout, engines_started=engines.started,
+                        seconds=time.perf_counter() - t0)
+
+
+def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirmation,
+                 png: str, duration: float) -> dict:
+    args, shape, best = setup.args, setup.shape, conf.best
+    return {
+        "format": PROFILE_FORMAT,
+        "model": {"name": Path(setup.model_path).name, "architecture": shape.architecture,
+                  "num_layers": shape.num_layers, "hidden_size": shape.hidden_size},
+        "schedule": _schedule_json(best["schedule"]),
+        "agreement": {"target": args.target_agreement,
+                      "calibration": _agreement_json(best["confirmed"]),
+                      "heldout": _agreement_json(conf.heldout)},
+        "kept_fractions": conf.heldout["kept_fractions"],
+        "flop_ideal_speedup": conf.heldout["flop_ideal_speedup"],
+        "calibration_kept_fractions": best["confirmed"]["kept_fractions"],
+        "calibration_flop_ideal_speedup": best["confirmed"]["flop_ideal_speedup"],
+        "estimate": _estimate_json(best),
+        "default_schedule": {**_schedule_json(space.default),
+                             "estimate": _estimate_json(est.default_row),
+                             "heldout": conf.default_heldout},
+        "confirmed_candidates": [{**_schedule_json(r["schedule"]), "estimate": _estimate_json(r),
+                                  "calibration": {k: r["confirmed"][k] for k in (
+                                      "agree", "dense_correct", "agreement", "stopped_early",
+                                      "kept_fractions", "flop_ideal_speedup")}}
+                                 for r in conf.confirmed],
+        "cases": {"tasks": setup.tasks, "lengths": setup.lengths,
+                  "calibration": {"seeds": _ints(args.seeds), "depths": _floats(args.depths),
+                                  "names": [c.name for c in setup.calibration]},
+                  "heldout": {"seeds": _ints(args.heldout_seeds),
+                              "depths": _floats(args.heldout_depths),
+                              "names": [c.name for c in setup.heldout]},
+                  "dense_reference": {"calibration": "offline pass (transformers, float32)",
+                                      "heldout": "the SGLang engine, UniPrefill off"}},
+        "search": {"schedules": len(space.schedules),
+                   "layer_sets": [list(l) for l in space.layer_sets],
+                   "top_p": _floats(args.top_p), "block_sizes": _ints(args.block_sizes),
+                   "meeting_target_by_estimate": len(est.passing), "confirmed": len(conf.confirmed),
+                   "engines_started": conf.engines_started},
+        "timing_s": {"total": round(duration, 1), "offline": round(est.seconds, 1),
+                     "confirmation": round(conf.seconds, 1)},
+        "heatmap": os.path.basename(png),
+        "command": setup.command,
+        "date": setup.started.date().isoformat(),
+        "commit": _git_commit(),
+    }
+
+
+def print_report(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirmation,
+                 out: Path, png: str, duration: float) -> None:
+    shown = sorted(conf.confirmed, key=lambda r: -r["est_flop_ideal"][setup.longest])
+    print(table([*shown, {**est.default_row, "tag": " (default)"}], setup.lengths))
+    best, ho = conf.best, conf.heldout
+    print(f"chosen: {best['schedule'].name}; calibration {best['confirmed']['agree']}/"
+          f"{best['confirmed']['dense_correct']}, held-out {ho['agree']}/{ho['dense_correct']}"
+          f" (target {setup.args.target_agreement:g}); FLOP-ideal on held-out "
+          + _speedups(ho))
+    if conf.default_heldout:
+        print(f"default {space.default.name}: held-out {conf.default_heldout['agree']}/"
+              f"{conf.default_heldout['dense_correct']}; FLOP-ideal "
+              + _speedups(conf.default_heldout))
+    print(f"wrote {out} and {png} in {duration / 60:.1f} min "
+          f"(offline {est.seconds / 60:.1f}, confirmation {conf.seconds / 60:.1f})")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     argv_list = list(sys.argv[1:] if argv is None else argv)
     started = datetime.datetime.now(datetime.timezone.utc)
     t_start = time.perf_counter()
-    if _use_cpu_engine():
-        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
-
-        activate_cpu_engine_env()  # before anything imports sglang
-    from tqdm import tqdm
-    from transformers import AutoConfig, AutoTokenizer
-
-    from uniprefill_sglang.config import DEFAULT_TOP_P, default_drop_layers
-    from uniprefill_sglang.tools.model_zoo import MODELS, prepare_model
-    from uniprefill_sglang.tools.tasks import make_case
-
-    model_path = prepare_model(args.model) if args.model in MODELS else args.model
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_path))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    engine_kwargs = json.loads(args.engine_kwargs)
-    progress = not args.no_progress
-    tasks = [t for t in args.tasks.split(",") if t]
-    # Room for the answer within the context.
-    budget = shape.context_length - 64
-    lengths = [min(L, budget) for L in _ints(args.lengths)]
-
-    def cases_for(seeds, depths):
-        # Depths cycle over the task x length grid: varied needle positions, one case per cell.
-        grid = [(s, L, t) for s in seeds for L in lengths for t in tasks]
-        grid = grid[:args.max_cases] if args.max_cases else grid
-        return [make_case(tokenizer, t, L, depths[i % len(depths)], s)
-                for i, (s, L, t) in enumerate(grid)]
-
-    calibration = cases_for(_ints(args.seeds), _floats(args.depths))
-    heldout = cases_for(_ints(args.heldout_seeds), _floats(args.heldout_depths))
-    print(f"{shape.architecture}, {shape.num_layers} layers, hidden {shape.hidden_size}: "
-          f"{len(calibration)} calibration and {len(heldout)} held-out cases", flush=True)
-
-    # --- offline estimate -------------------------------------------------------------------
-    if args.layer_sets:
-        layer_sets = [tuple(_ints(s)) for s in args.layer_sets.split(";")]
-    else:
-        layer_sets = candidate_layer_sets(shape.num_layers, args.max_drops, args.first_layer_step)
-    default_schedule = Schedule(default_drop_layers(shape.num_layers), DEFAULT_TOP_P, 64)
-    schedules = candidate_schedules(layer_sets, _floats(args.top_p), _ints(args.block_sizes))
-    # Heat map: every layer that a candidate drops first at, at the smallest block size.
-    heatmap_layers = {ls[0]: min(_ints(args.block_sizes)) for ls in layer_sets}
-    t0 = time.perf_counter()
-    import torch
-
-    if args.offline_threads:
-        torch.set_num_threads(args.offline_threads)
-    records = estimate_cases(model_path, calibration, [*schedules, default_schedule],
-                             heatmap_layers, tokenizer, args.sink_tokens, args.last_queries,
-                             progress, "cuda" if torch.cuda.is_available() else "cpu",
-                             _floats(args.top_p))
-    offline_s = time.perf_counter() - t0
-    estimates = summarize_estimates(records, schedules, shape, lengths)
-    default_estimate = summarize_estimates(records, [default_schedule], shape, lengths)[0]
-    longest = max(lengths)
-    passing = [r for r in estimates if r["est_agreement"] >= args.target_agreement]
-    passing.sort(key=lambda r: (-r["est_flop_ideal"][longest],
-                                -sum(r["est_flop_ideal"].values())))
-    to_confirm = passing[:args.confirm]
-    print(f"offline: {len(schedules)} schedules on {len(records)} cases in {offline_s:.0f} s; "
-          f"{len(passing)} meet the target by estimate", flush=True)
-    if not to_confirm:  # nothing meets the target by estimate: confirm the closest
-        to_confirm = sorted(estimates, key=lambda r: -r["est_agreement"])[:args.confirm]
-
-    # --- confirmation -------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    # Calibration cases: the offline pass's greedy answer is the dense reference.
-    dense: dict[str, dict] = {r["case"].name: {"case": r["case"].name, "text": r["hf_dense_text"],
-                                               "correct": r["hf_dense_correct"]} for r in records}
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in to_confirm:
-        groups[(r["schedule"].drop_layers, r["schedule"].block_size)].append(r)
-    engines_started = 0
-    engine, engine_key = None, None
-
-    def use_engine(key):
-        nonlocal engine, engine_key, engines_started
-        if engine_key == key:
-            return engine
-        if engine is not None:
-            engine.shutdown()
-            engine = None
-            gc.collect()
-        engine = start_engine(model_path, key[0], key[1], engine_kwargs)
-        engine_key, engines_started = key, engines_started + 1
-        return engine
-
-    def run_dense(eng, cases, desc):
-        for c in tqdm(cases, desc=desc, unit="req", disable=not progress, file=sys.stderr):
-            if c.name not in dense:
-                dense[c.name] = {"case": c.name, **generate(eng, c, DENSE)}
-
-    try:
-        # The group of the best estimate last: if it wins, its engine serves the held-out cases.
-        for key, rows in reversed(list(groups.items())):
-            eng = use_engine(key)
-            right = [c for c in calibration if dense[c.name]["correct"]]
-            allowed_misses = math.floor((1 - args.target_agreement) * len(right) + 1e-9)
-            for r in rows:
-                s, runs, misses = r["schedule"], [], 0
-                for c in tqdm(right, desc=f"confirm {s.name}", unit="req", disable=not progress,
-                              file=sys.stderr):
-                    res = {"case": c.name, **generate(eng, c, {"uniprefill_top_p": s.top_p})}
-                    runs.append(res)
-                    misses += not res["correct"]
-                    if misses > allowed_misses:  # cannot meet the target any more
-                        break
-                r["confirmed"] = measured_summary(runs, dense, calibration, s, shape, lengths)
-                r["confirmed"]["stopped_early"] = len(runs) < len(right)
-                r["runs"] = runs
-        confirmed = [r for r in to_confirm if "confirmed" in r]
-        meeting = [r for r in confirmed if r["confirmed"]["agreement"] is not None
-                   and r["confirmed"]["agreement"] >= args.target_agreement
-                   and not r["confirmed"]["stopped_early"]]
-        if meeting:
-            best = max(meeting, key=lambda r: (r["confirmed"]["flop_ideal_speedup"].get(str(longest), 1.0),
-                                               r["est_flop_ideal"][longest]))
-        else:
-            best = max(confirmed, key=lambda r: (r["confirmed"]["agree"], r["est_flop_ideal"][longest]))
-        best["tag"] = " **chosen**"
-        s = best["schedule"]
-        eng = use_engine((s.drop_layers, s.block_size))
-        run_dense(eng, heldout, "dense (held-out)")
-        heldout_runs = [{"case": c.name, **generate(eng, c, {"uniprefill_top_p": s.top_p})}
-                        for c in tqdm([c for c in heldout if dense[c.name]["correct"]],
-                                      desc="held-out", unit="req", disable=not progress,
-                                      file=sys.stderr)]
-        heldout_summary = measured_summary(heldout_runs, dense, heldout, s, shape, lengths)
-        default_heldout = None
-        if args.compare_default:
-            d = default_schedule
-            eng = use_engine((d.drop_layers, d.block_size))
-            default_runs = [{"case": c.name, **generate(eng, c, {"uniprefill_top_p": d.top_p})}
-                            for c in tqdm([c for c in heldout if dense[c.name]["correct"]],
-                                          desc="default schedule, held-out", unit="req",
-                                          disable=not progress, file=sys.stderr)]
-            default_heldout = measured_summary(default_runs, dense, heldout, d, shape, lengths)
-    finally:
-        if engine is not None:
-            engine.shutdown()
-    confirm_s = time.perf_counter() - t0
+    setup = prepare_run(args, argv_list, started)
+    print(f"{setup.shape.architecture}, {setup.shape.num_layers} layers, hidden "
+          f"{setup.shape.hidden_size}: {len(setup.calibration)} calibration and "
+          f"{len(setup.heldout)} held-out cases", flush=True)
+    space = search_space(args, setup.shape)
+    est = estimate(setup, space)
+    conf = confirm(setup, space, est)
     duration = time.perf_counter() - t_start
 
-    # --- outputs ------------------------------------------------------------------------------
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    png = heatmap(records, heatmap_layers, lengths, str(out.with_suffix(".png")),
-                  f"{Path(model_path).name}: single drop per layer", _floats(args.top_p))
-
-    def schedule_json(sch: Schedule) -> dict:
-        return {"drop_layers": list(sch.drop_layers), "top_p": sch.top_p,
-                "block_size": sch.block_size}
-
-    def estimate_json(r) -> dict:
-        return {"agree": r["est_agree"], "cases": r["est_cases"],
-                "kept_final": {str(L): round(v, 4) for L, v in r["est_kept_final"].items()},
-                "flop_ideal_speedup": {str(L): round(v, 3) for L, v in r["est_flop_ideal"].items()}}
-
-    profile = {
-        "format": PROFILE_FORMAT,
-        "model": {"name": Path(model_path).name, "architecture": shape.architecture,
-                  "num_layers": shape.num_layers, "hidden_size": shape.hidden_size},
-        "schedule": schedule_json(s),
-        "agreement": {"target": args.target_agreement,
-                      "calibration": {k: best["confirmed"][k] for k in
-                                      ("agree", "dense_correct", "cases", "agreement", "failed")},
-                      "heldout": {k: heldout_summary[k] for k in
-                                  ("agree", "dense_correct", "cases", "agreement", "failed")}},
-        "kept_fractions": heldout_summary["kept_fractions"],
-        "flop_ideal_speedup": heldout_summary["flop_ideal_speedup"],
-        "calibration_kept_fractions": best["confirmed"]["kept_fractions"],
-        "calibration_flop_ideal_speedup": best["confirmed"]["flop_ideal_speedup"],
-        "estimate": estimate_json(best),
-        "default_schedule": {**schedule_json(default_schedule),
-                             "estimate": estimate_json(default_estimate),
-                             "heldout": default_heldout},
-        "confirmed_candidates": [{**schedule_json(r["schedule"]), "estimate": estimate_json(r),
-                                  "calibration": {k: r["confirmed"][k] for k in (
-                                      "agree", "dense_correct", "agreement", "stopped_early",
-                                      "kept_fractions", "flop_ideal_speedup")}}
-                                 for r in confirmed],
-        "cases": {"tasks": tasks, "lengths": lengths,
-                  "calibration": {"seeds": _ints(args.seeds), "depths": _floats(args.depths),
-                                  "names": [c.name for c in calibration]},
-                  "heldout": {"seeds": _ints(args.heldout_seeds),
-                              "depths": _floats(args.heldout_depths),
-                              "names": [c.name for c in heldout]},
-                  "dense_reference": {"calibration": "offline pass (transformers, float32)",
-                                      "heldout": "the SGLang engine, UniPrefill off"}},
-        "search": {"schedules": len(schedules), "layer_sets": [list(l) for l in layer_sets],
-                   "top_p": _floats(args.top_p), "block_sizes": _ints(args.block_sizes),
-                   "meeting_target_by_estimate": len(passing), "confirmed": len(confirmed),
-                   "engines_started": engines_started},
-        "timing_s": {"total": round(duration, 1), "offline": round(offline_s, 1),
-                     "confirmation": round(confirm_s, 1)},
-        "heatmap": os.path.basename(png),
-        "command": "python -m uniprefill_sglang.calibrate " + " ".join(argv_list),
-        "date": started.date().isoformat(),
-        "commit": _git_commit(),
-    }
+    png = heatmap(est.records, space.heatmap_layers, setup.lengths, str(out.with_suffix(".png")),
+                  f"{Path(setup.model_path).name}: single drop per layer", _floats(args.top_p))
+    profile = profile_json(setup, space, est, conf, png, duration)
     out.write_text(json.dumps(profile, indent=1) + "\n")
-
-    shown = sorted(confirmed, key=lambda r: -r["est_flop_ideal"][longest])
-    default_row = {**default_estimate, "tag": " (default)"}
-    print(table([*shown, default_row], lengths))
-    ho = heldout_summary
-    print(f"chosen: {s.name}; calibration {best['confirmed']['agree']}/"
-          f"{best['confirmed']['dense_correct']}, held-out {ho['agree']}/{ho['dense_correct']}"
-          f" (target {args.target_agreement:g}); FLOP-ideal on held-out "
-          + ", ".join(f"{L}: {v:.2f}x" for L, v in ho["flop_ideal_speedup"].items()))
-    if default_heldout:
-        print(f"default {default_schedule.name}: held-out {default_heldout['agree']}/"
-              f"{default_heldout['dense_correct']}; FLOP-ideal "
-              + ", ".join(f"{L}: {v:.2f}x" for L, v in default_heldout["flop_ideal_speedup"].items()))
-    print(f"wrote {out} and {png} in {duration / 60:.1f} min "
-          f"(offline {offline_s / 60:.1f}, confirmation {confirm_s / 60:.1f})")
+    print_report(setup, space, est, conf, out, png, duration)
     return profile
 
 

@@ -199,63 +199,22 @@ def build_config(
     A ``profile`` supplies the drop layers, top-p and block size that no flag sets (None means
     unset; a keep ratio replaces the profile's top-p)."""
     if profile is not None:
-        if parse_drop_layers(drop_layers) is None:
-            drop_layers = profile.drop_layers
-        if top_p is None and keep_ratio is None:
-            top_p = profile.top_p
-        if block_size is None:
-            block_size = profile.block_size
+        drop_layers, top_p, block_size = _with_profile(profile, drop_layers, top_p, keep_ratio,
+                                                       block_size)
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
-    if top_p is not None and keep_ratio is not None:
-        raise UniPrefillConfigError(
-            "--uniprefill-top-p and --uniprefill-keep-ratio are mutually exclusive: "
-            "set at most one (top-p selects by attention mass, keep-ratio by a fixed budget)"
-        )
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise UniPrefillConfigError(f"--uniprefill-top-p must be in (0, 1], got {top_p}")
-    keep_ratios = parse_keep_ratios(keep_ratio)
-    if block_size < 1 or block_size & (block_size - 1):
-        raise UniPrefillConfigError(
-            f"--uniprefill-block-size must be a power of two >= 1, got {block_size}"
-        )
-    if sink_tokens < 0:
-        raise UniPrefillConfigError(
-            f"--uniprefill-sink-tokens must be >= 0, got {sink_tokens}"
-        )
-    if last_queries < 1:
-        raise UniPrefillConfigError(
-            f"--uniprefill-last-queries must be >= 1, got {last_queries}"
-        )
-    if min_prompt_tokens < 0:
-        raise UniPrefillConfigError(
-            f"--uniprefill-min-prompt-tokens must be >= 0, got {min_prompt_tokens}"
-        )
-    if max_parked_tokens < 0:
-        raise UniPrefillConfigError(
-            f"--uniprefill-max-parked-tokens must be >= 0 (0 disables parking), got {max_parked_tokens}"
-        )
-    if prefix_policy not in PREFIX_POLICIES:
-        raise UniPrefillConfigError(
-            f"--uniprefill-prefix-policy must be one of {', '.join(PREFIX_POLICIES)}, "
-            f"got {prefix_policy!r}")
+    keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
+    _check_minimum("--uniprefill-sink-tokens", sink_tokens, 0)
+    _check_minimum("--uniprefill-last-queries", last_queries, 1)
+    _check_minimum("--uniprefill-min-prompt-tokens", min_prompt_tokens, 0)
+    _check_minimum("--uniprefill-max-parked-tokens", max_parked_tokens, 0, " (0 disables parking)")
+    _check_choice("--uniprefill-prefix-policy", prefix_policy, PREFIX_POLICIES)
     fractions = parse_keep_ratios(stage_kv_fraction, flag="--uniprefill-stage-kv-fraction")
     if kv_layout is None:
         smaller = fractions is not None or keep_ratios is not None
         kv_layout = "staged" if smaller else "shared"
-    if kv_layout not in KV_LAYOUTS:
-        raise UniPrefillConfigError(
-            f"--uniprefill-kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    layers = parse_drop_layers(drop_layers)
-    if layers is not None:
-        if any(l < 0 for l in layers):
-            raise UniPrefillConfigError(
-                f"--uniprefill-drop-layers must be non-negative layer indices, got {list(layers)}"
-            )
-        if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
-            raise UniPrefillConfigError(
-                f"--uniprefill-drop-layers must be strictly increasing, got {list(layers)}"
-            )
+    _check_choice("--uniprefill-kv-layout", kv_layout, KV_LAYOUTS)
+    layers = _parse_increasing_drop_layers(drop_layers)
     return UniPrefillConfig(
         top_p=DEFAULT_TOP_P if top_p is None else float(top_p),
         keep_ratio=keep_ratios,
@@ -271,6 +230,60 @@ def build_config(
         stage_kv_fraction=fractions,
         prefix_checkpoint=bool(prefix_checkpoint) or prefix_policy == "reselect",
     )
+
+
+def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size):
+    """(drop layers, top-p, block size): the flags', the profile's where no flag set one."""
+    if parse_drop_layers(drop_layers) is None:
+        drop_layers = profile.drop_layers
+    if top_p is None and keep_ratio is None:
+        top_p = profile.top_p
+    if block_size is None:
+        block_size = profile.block_size
+    return drop_layers, top_p, block_size
+
+
+def _parse_selection(top_p: Optional[float], keep_ratio, block_size: int):
+    """Check how blocks are selected; return the parsed keep ratios (None: by top-p)."""
+    if top_p is not None and keep_ratio is not None:
+        raise UniPrefillConfigError(
+            "--uniprefill-top-p and --uniprefill-keep-ratio are mutually exclusive: "
+            "set at most one (top-p selects by attention mass, keep-ratio by a fixed budget)"
+        )
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise UniPrefillConfigError(f"--uniprefill-top-p must be in (0, 1], got {top_p}")
+    keep_ratios = parse_keep_ratios(keep_ratio)
+    if block_size < 1 or block_size & (block_size - 1):
+        raise UniPrefillConfigError(
+            f"--uniprefill-block-size must be a power of two >= 1, got {block_size}"
+        )
+    return keep_ratios
+
+
+def _check_minimum(flag: str, value: int, minimum: int, note: str = "") -> None:
+    if value < minimum:
+        raise UniPrefillConfigError(f"{flag} must be >= {minimum}{note}, got {value}")
+
+
+def _check_choice(flag: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise UniPrefillConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _parse_increasing_drop_layers(value) -> Optional[tuple[int, ...]]:
+    """parse_drop_layers, checked: non-negative and strictly increasing."""
+    layers = parse_drop_layers(value)
+    if layers is None:
+        return None
+    if any(l < 0 for l in layers):
+        raise UniPrefillConfigError(
+            f"--uniprefill-drop-layers must be non-negative layer indices, got {list(layers)}"
+        )
+    if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+        raise UniPrefillConfigError(
+            f"--uniprefill-drop-layers must be strictly increasing, got {list(layers)}"
+        )
+    return layers
 
 
 def attention_backend_names(server_args) -> set:

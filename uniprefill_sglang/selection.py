@@ -7,14 +7,14 @@ blocks of `block_size`, and the top blocks are kept (the smallest set holding `t
 mass, or a fixed `keep_ratio` of the blocks), plus the attention sinks (positions below
 `sink_tokens`) and the last `last_window` candidates.
 
-`select_survivors` runs the kernels (Triton on CUDA, their torch references elsewhere);
-`select_survivors_reference` is the same rule written plainly, for tests.
+`select_survivors` runs the kernels (Triton on CUDA, their torch references elsewhere) on the
+whole batch; `select_survivors_reference`, for tests, runs the per-segment torch references in
+float64 one request at a time (kernels/reference.py, where the rule is written once).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -86,7 +86,7 @@ def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
 
 def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
                                rule: SelectionRule) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`select_survivors` in float64 with one request at a time and plain loops."""
+    """`select_survivors` in float64, one request at a time."""
     keep_idx, counts = [], []
     first_candidate = 0
     for _, keep in _reference_segments(cands, key_buffer, sm_scale, rule):
@@ -103,36 +103,17 @@ def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scal
     """Per segment: (the candidates' scores in float64, which candidates the rule keeps)."""
     q_ptr, k_ptr = _indptr(cands.query_counts), _indptr(cands.key_counts)
     for b in range(cands.num_segments):
-        q = cands.queries[q_ptr[b]:q_ptr[b + 1]].double()
-        q_pos = cands.query_pos[q_ptr[b]:q_ptr[b + 1]]
-        slots = cands.key_slots[k_ptr[b]:k_ptr[b + 1]]
-        k_pos = cands.key_pos[k_ptr[b]:k_ptr[b + 1]]
-        k = key_buffer[slots.long()].double()                       # [m, Hkv, D]
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)                        # query head h reads h // group
-        logits = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
-        visible = k_pos[None, :] <= q_pos[:, None]
-        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-        token_score = torch.nan_to_num(probs).sum(dim=(0, 1))        # rows with no visible key: 0
-        cand = token_score[cands.prefix_counts[b]:]
-        cand_pos = k_pos[cands.prefix_counts[b]:]
-        n = cand.shape[0]
-        blocks = [float(cand[i:i + rule.block_size].sum()) for i in range(0, n, rule.block_size)]
-        order = sorted(range(len(blocks)), key=lambda i: (-blocks[i], i))
-        ratio, total = cands.keep_ratio[b], sum(blocks)
-        if ratio > 0:
-            num_kept = max(1, min(len(blocks), math.ceil(ratio * len(blocks) * (1 - kernels.RATIO_EPS))))
-        elif cands.top_p[b] >= 1.0 or total <= 0:
-            num_kept = len(blocks)
-        else:
-            num_kept, mass = 0, 0.0
-            while num_kept < len(blocks) and mass < cands.top_p[b] * total:
-                mass += blocks[order[num_kept]]
-                num_kept += 1
-        kept_blocks = set(order[:num_kept])
-        keep = [i // rule.block_size in kept_blocks or int(cand_pos[i]) < rule.sink_tokens
-                or i >= n - rule.last_window for i in range(n)]
-        yield cand, keep
+        queries, keys = slice(q_ptr[b], q_ptr[b + 1]), slice(k_ptr[b], k_ptr[b + 1])
+        key_pos = cands.key_pos[keys]
+        scores = kernels.score_segment_reference(
+            cands.queries[queries], cands.query_pos[queries],
+            key_buffer[cands.key_slots[keys].long()], key_pos, sm_scale,
+            compute_dtype=torch.float64)
+        first = cands.prefix_counts[b]
+        keep = kernels.select_segment_reference(
+            scores[first:], key_pos[first:], rule.block_size, cands.top_p[b],
+            cands.keep_ratio[b], rule.sink_tokens, rule.last_window, compute_dtype=torch.float64)
+        yield scores[first:], keep.tolist()
 
 
 # ---- prefix reuse: does a cached selection cover a new request's question? ------------------

@@ -16,7 +16,8 @@ linear layer of a later stage runs with those fields describing them:
 * a chunk that parks in this forward goes on with one row (the logits SGLang expects, then
   discarded): its state slot is left alone (index -1, which the kernels skip).
 
-Decode steps and the layers before the first drop run upstream code unchanged.
+Decode steps and the layers before the first drop run upstream code unchanged. The torch
+references of the two operators these fields drive are in `linear_attention_reference.py`.
 """
 
 from __future__ import annotations

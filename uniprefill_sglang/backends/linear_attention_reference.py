@@ -5,7 +5,8 @@ sequence's state read from and written back to a slot of SGLang's mamba pool.
 
 They serve two purposes: the CPU engine runs Qwen3-Next with them (the test-only `sgl_kernel`
 stand-in, tests/stubs, forwards the CPU kernels SGLang calls to these functions), and the tests
-check, against them, that after a drop a linear layer's recurrence ran over the survivors only.
+check, against them, that after a drop a linear layer's recurrence ran over the survivors only
+(what `linear_attention.py`, beside this module, arranges).
 
 Layouts (SGLang's): a conv state slot is [dim, width - 1] (the last inputs, oldest first); a
 recurrent state slot is [HV, V, K] (value heads, value dim, key dim). Query and key heads are
