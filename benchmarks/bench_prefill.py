@@ -157,7 +157,13 @@ class Runner:
         return [r[0] for r in results], [r[1] for r in results], itls, own
 
 
-def main() -> None:
+TABLE_HEAD = ("| length | conc | schedule | dense s | UniPrefill s | speedup | FLOP-ideal | of ideal "
+              "| kept after last drop | ITL dense ms (mean/max) | ITL UniPrefill ms (mean/max) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
+DENSE = {"uniprefill": False}
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--lengths", default="8192,32768,65536,131072")
@@ -180,8 +186,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30000,
                     help="engine port base (give engines running side by side their own)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def start_engine(args, lengths: list) -> tuple:
+    """(the engine, the run's setup: drop layers, backend, chunking, device, SGLang version)."""
     import os
 
     if args.device == "cpu":
@@ -193,17 +202,61 @@ def main() -> None:
     os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     import sglang
 
-    lengths = [int(x) for x in args.lengths.split(",")]
-    concurrencies = [int(x) for x in args.concurrency.split(",")]
-    cfg = json.load(open(f"{args.model_path}/config.json"))
     engine = sglang.Engine(**engine_kwargs_for(args, lengths))
     server = engine.get_server_info()
     info = server["internal_states"][0]["uniprefill"]
-    drop_layers = info["drop_layers"]
-    setup = {"drop_layers": drop_layers, "backend": server.get("attention_backend"),
+    setup = {"drop_layers": info["drop_layers"], "backend": server.get("attention_backend"),
              "tp_size": args.tp_size, "chunked_prefill_size": server.get("chunked_prefill_size"),
              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
              "sglang": sglang.__version__}
+    return engine, setup
+
+
+def measure(runner: Runner, length: int, conc: int, schedule: str, args, drop_layers: list,
+            cfg: dict) -> dict:
+    """One schedule at one length and concurrency: dense and UniPrefill alternating over the
+    repeats (so drift hits both alike), medians of their mean TTFTs."""
+    custom = {"uniprefill_keep_ratio": schedule}
+    runner.batch(length, custom, 1)  # warm-up
+    dense_t, up_t, itl_d, itl_u, own_d, own_u, kept = [], [], [], [], [], [], []
+    for _ in range(args.repeats):
+        t, _, itl, own = runner.batch(length, DENSE, conc, args.itl_probe, args.decode_tokens)
+        dense_t.append(statistics.mean(t)), itl_d.extend(itl), own_d.extend(own)
+        t, metas, itl, own = runner.batch(length, custom, conc, args.itl_probe,
+                                          args.decode_tokens)
+        up_t.append(statistics.mean(t)), itl_u.extend(itl), own_u.extend(own)
+        kept = [m.get("kept_tokens") for m in metas]
+    dense, up = statistics.median(dense_t), statistics.median(up_t)
+    row = dict(length=length, concurrency=conc, schedule=schedule, dense_s=dense,
+               uniprefill_s=up, speedup=dense / up,
+               flop_ideal=flop_ideal_speedup(kept[0], drop_layers, cfg), kept=kept[0],
+               kept_fraction=sum(k[-1] for k in kept) / sum(k[0] for k in kept))
+    if args.itl_probe:
+        row.update(itl_dense_ms=_ms(itl_d), itl_uniprefill_ms=_ms(itl_u))
+    if args.decode_tokens > 1:
+        row.update(decode_itl_dense_ms=_ms(own_d), decode_itl_uniprefill_ms=_ms(own_u))
+        print(f"decode ITL after the prefill, dense {_fmt(own_d)}, UniPrefill {_fmt(own_u)}")
+    return row
+
+
+def table_line(row: dict) -> str:
+    itl_cols = ""
+    if "itl_dense_ms" in row:
+        itl_cols = (f" {row['itl_dense_ms']['mean']:.1f} / {row['itl_dense_ms']['max']:.0f} |"
+                    f" {row['itl_uniprefill_ms']['mean']:.1f} / "
+                    f"{row['itl_uniprefill_ms']['max']:.0f} |")
+    dense, up, ideal = row["dense_s"], row["uniprefill_s"], row["flop_ideal"]
+    return (f"| {row['length']} | {row['concurrency']} | {row['schedule']} | {dense:.3f} | "
+            f"{up:.3f} | {dense / up:.2f}x | {ideal:.2f}x | {dense / up / ideal:.0%} | "
+            f"{row['kept_fraction']:.0%} |{itl_cols}")
+
+
+def main() -> None:
+    args = parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    concurrencies = [int(x) for x in args.concurrency.split(",")]
+    cfg = json.load(open(f"{args.model_path}/config.json"))
+    engine, setup = start_engine(args, lengths)
     runner = Runner(engine, cfg["vocab_size"], max(lengths) + 64)
     rows = []
 
@@ -214,45 +267,14 @@ def main() -> None:
                           f, indent=1)
 
     print(setup)
-    print("| length | conc | schedule | dense s | UniPrefill s | speedup | FLOP-ideal | of ideal "
-          "| kept after last drop | ITL dense ms (mean/max) | ITL UniPrefill ms (mean/max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    off = {"uniprefill": False}
+    print(TABLE_HEAD)
     for length in lengths:
         for conc in concurrencies:
-            runner.batch(length, off, 1)  # warm-up for this shape
+            runner.batch(length, DENSE, 1)  # warm-up for this shape
             for schedule in args.schedules:
-                custom = {"uniprefill_keep_ratio": schedule}
-                runner.batch(length, custom, 1)  # warm-up
-                dense_t, up_t, itl_d, itl_u, own_d, own_u, kept = [], [], [], [], [], [], []
-                for _ in range(args.repeats):  # alternate so drift hits both alike
-                    t, _, itl, own = runner.batch(length, off, conc, args.itl_probe,
-                                                  args.decode_tokens)
-                    dense_t.append(statistics.mean(t)), itl_d.extend(itl), own_d.extend(own)
-                    t, metas, itl, own = runner.batch(length, custom, conc, args.itl_probe,
-                                                      args.decode_tokens)
-                    up_t.append(statistics.mean(t)), itl_u.extend(itl), own_u.extend(own)
-                    kept = [m.get("kept_tokens") for m in metas]
-                dense, up = statistics.median(dense_t), statistics.median(up_t)
-                ideal = flop_ideal_speedup(kept[0], drop_layers, cfg)
-                frac = sum(k[-1] for k in kept) / sum(k[0] for k in kept)
-                row = dict(length=length, concurrency=conc, schedule=schedule, dense_s=dense,
-                           uniprefill_s=up, speedup=dense / up, flop_ideal=ideal,
-                           kept=kept[0], kept_fraction=frac)
-                itl_cols = ""
-                if args.itl_probe:
-                    row.update(itl_dense_ms=_ms(itl_d), itl_uniprefill_ms=_ms(itl_u))
-                    itl_cols = (f" {row['itl_dense_ms']['mean']:.1f} / {row['itl_dense_ms']['max']:.0f} |"
-                                f" {row['itl_uniprefill_ms']['mean']:.1f} / "
-                                f"{row['itl_uniprefill_ms']['max']:.0f} |")
-                if args.decode_tokens > 1:
-                    row.update(decode_itl_dense_ms=_ms(own_d), decode_itl_uniprefill_ms=_ms(own_u))
-                    print(f"decode ITL after the prefill, dense {_fmt(own_d)}, "
-                          f"UniPrefill {_fmt(own_u)}")
-                rows.append(row)
-                print(f"| {length} | {conc} | {schedule} | {dense:.3f} | {up:.3f} | "
-                      f"{dense / up:.2f}x | {ideal:.2f}x | {dense / up / ideal:.0%} | "
-                      f"{frac:.0%} |{itl_cols}", flush=True)
+                rows.append(measure(runner, length, conc, schedule, args, setup["drop_layers"],
+                                    cfg))
+                print(table_line(rows[-1]), flush=True)
                 save()
     engine.shutdown()
     save()

@@ -417,7 +417,7 @@ def time_sglang(engine, method, pool, b, args, keep_ratio, log):
 # ------------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--model-path", default=None,
@@ -447,9 +447,10 @@ def main() -> None:
                     help="SGLang's; default 0.8 on CUDA, 0.95 on CPU")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.device == "cpu":
+        # Before anything imports sglang (SGLang's CPU engine reads it at import).
         from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
 
         activate_cpu_engine_env()
@@ -459,233 +460,296 @@ def main() -> None:
             args.model_path = prepare_smollm2()
     elif args.model_path is None:
         ap.error("--model-path is required with --device cuda")
-    methods = [m for m in args.methods.split(",") if m]
-    profiles = [p for p in args.profiles.split(",") if p]
-    for m in methods:
+    for m in [m for m in args.methods.split(",") if m]:
         if m not in METHODS:
             ap.error(f"unknown method {m}")
-    for p in profiles:
+    for p in [p for p in args.profiles.split(",") if p]:
         if p not in PROFILES:
             ap.error(f"unknown profile {p}")
-    cuda = args.device == "cuda"
-    pool_n = args.pool or (512 if cuda else 8)
-    bsz = args.batch_size or (64 if cuda else 4)
-    sweep_profile = args.sweep_profile if args.sweep_profile in profiles else None
-    sweep_sizes = sorted({int(x) for x in args.sweep_sizes.split(",") if x} | {bsz})
-    sweep_sizes = [b for b in sweep_sizes if b <= pool_n]
-    folder = Path(args.model_path)
-    random_weights = {"yes": True, "no": False}.get(args.random_weights)
-    if random_weights is None:
-        random_weights = not any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
-    keep_ratio = args.keep_ratio
-    if keep_ratio is None:
-        keep_ratio = "0.5,0.8" if random_weights else None
-    elif keep_ratio.lower() == "none":
-        keep_ratio = None
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if args.mem_fraction_static is None:
-        args.mem_fraction_static = 0.8 if cuda else 0.95
-    cfg = json.loads((folder / "config.json").read_text())
-    name = folder.name
-    out_path = Path(args.out or f"benchmarks/results/prepacking/prepacking_{name}_{args.device}"
-                    f"_{'-'.join(profiles)}.json")
-    log_lines: list[str] = []
+    return args
 
-    def log(msg: str) -> None:
+
+class PrepackingRun:
+    """One invocation: its settings (from the flags and the model folder), the prompt pools,
+    the result (written after every measurement) and the log lines the result keeps."""
+
+    def __init__(self, args):
+        self.args = args
+        self.methods = [m for m in args.methods.split(",") if m]
+        self.profiles = [p for p in args.profiles.split(",") if p]
+        self.cuda = args.device == "cuda"
+        self.pool_n = args.pool or (512 if self.cuda else 8)
+        self.bsz = args.batch_size or (64 if self.cuda else 4)
+        self.sweep_profile = args.sweep_profile if args.sweep_profile in self.profiles else None
+        sweep_sizes = sorted({int(x) for x in args.sweep_sizes.split(",") if x} | {self.bsz})
+        self.sweep_sizes = [b for b in sweep_sizes if b <= self.pool_n]
+        folder = Path(args.model_path)
+        self.random_weights = {"yes": True, "no": False}.get(args.random_weights)
+        if self.random_weights is None:
+            self.random_weights = not any(p.name.endswith(WEIGHT_SUFFIXES)
+                                          for p in folder.iterdir())
+        self.keep_ratio = args.keep_ratio
+        if self.keep_ratio is None:
+            self.keep_ratio = "0.5,0.8" if self.random_weights else None
+        elif self.keep_ratio.lower() == "none":
+            self.keep_ratio = None
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        if args.mem_fraction_static is None:
+            args.mem_fraction_static = 0.8 if self.cuda else 0.95
+        self.cfg = json.loads((folder / "config.json").read_text())
+        self.name = folder.name
+        self.out_path = Path(args.out or f"benchmarks/results/prepacking/prepacking_{self.name}_"
+                             f"{args.device}_{'-'.join(self.profiles)}.json")
+        self.log_lines: list[str] = []
+        self.pools = {p: make_pool(p, self.pool_n, self.cfg["vocab_size"], args.seed,
+                                   args.max_len) for p in self.profiles}
+        self.sizes_of = {p: (self.sweep_sizes if p == self.sweep_profile else [self.bsz])
+                         for p in self.profiles}
+        self.result = self.result_head()
+
+    def result_head(self) -> dict:
+        """The result's settings; the profiles' measurements are added as they are made."""
+        args, cuda = self.args, self.cuda
+        return {
+            "header": result_header(model=f"{self.name} shape ("
+                                    f"{'random' if self.random_weights else 'real'} "
+                                    f"weights, {str(self.dtype).replace('torch.', '')})"),
+            "device": args.device,
+            "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+            "device_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                                  if cuda else None),
+            "versions": {"torch": torch.__version__,
+                         "transformers": __import__("transformers").__version__},
+            "model_path": str(args.model_path),
+            "model": {k: self.cfg.get(k) for k in (
+                "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings")},
+            "random_weights": self.random_weights,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "settings": {"pool": self.pool_n, "batch_size": self.bsz,
+                         "sweep_profile": self.sweep_profile, "sweep_sizes": self.sweep_sizes,
+                         "oom_cap": args.oom_cap, "repeats": args.repeats, "seed": args.seed,
+                         "max_len": args.max_len, "methods": self.methods,
+                         "metrics": list(METRICS),
+                         "uniprefill_min_prompt_tokens": args.uniprefill_min_prompt_tokens,
+                         "keep_ratio": self.keep_ratio or "top-p (server default)",
+                         "attention_backend": args.attention_backend if cuda else "torch_native",
+                         "mem_fraction_static": args.mem_fraction_static},
+            "profiles": {},
+        }
+
+    def log(self, msg: str) -> None:
         print(msg, flush=True)
-        log_lines.append(msg)
+        self.log_lines.append(msg)
 
-    pools = {p: make_pool(p, pool_n, cfg["vocab_size"], args.seed, args.max_len) for p in profiles}
-    sizes_of = {p: (sweep_sizes if p == sweep_profile else [bsz]) for p in profiles}
-    result = {
-        "header": result_header(model=f"{name} shape ({'random' if random_weights else 'real'} "
-                                f"weights, {str(dtype).replace('torch.', '')})"),
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
-        "device_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
-                              if cuda else None),
-        "versions": {"torch": torch.__version__,
-                     "transformers": __import__("transformers").__version__},
-        "model_path": str(args.model_path),
-        "model": {k: cfg.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads",
-                                          "intermediate_size", "vocab_size",
-                                          "max_position_embeddings")},
-        "random_weights": random_weights,
-        "dtype": str(dtype).replace("torch.", ""),
-        "settings": {"pool": pool_n, "batch_size": bsz, "sweep_profile": sweep_profile,
-                     "sweep_sizes": sweep_sizes, "oom_cap": args.oom_cap,
-                     "repeats": args.repeats, "seed": args.seed, "max_len": args.max_len,
-                     "methods": methods, "metrics": list(METRICS),
-                     "uniprefill_min_prompt_tokens": args.uniprefill_min_prompt_tokens,
-                     "keep_ratio": keep_ratio or "top-p (server default)",
-                     "attention_backend": args.attention_backend if cuda else "torch_native",
-                     "mem_fraction_static": args.mem_fraction_static},
-        "profiles": {},
-    }
+    def save(self) -> None:
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self.result["log"] = self.log_lines
+        self.out_path.write_text(json.dumps(self.result, indent=1))
 
-    def save() -> None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        result["log"] = log_lines
-        out_path.write_text(json.dumps(result, indent=1))
 
-    for p in profiles:
-        lens = [len(x) for x in pools[p]]
-        result["profiles"][p] = {
+def describe_profiles(run: PrepackingRun) -> None:
+    """Each profile's lengths and how padding and packing lay out its batches."""
+    for p in run.profiles:
+        lens = [len(x) for x in run.pools[p]]
+        run.result["profiles"][p] = {
             "distribution": PROFILES[p][0],
             "lengths": {"n": len(lens), "min": min(lens), "max": max(lens),
                         "mean": statistics.mean(lens), "median": statistics.median(lens),
                         "p90": sorted(lens)[int(0.9 * (len(lens) - 1))], "all": lens},
-            "layout": {str(b): {"random": layout(random_batches(pools[p], b, args.seed)),
-                                "length_ordered": layout(sorted_batches(pools[p], b))}
-                       for b in sizes_of[p]},
+            "layout": {str(b): {"random": layout(random_batches(run.pools[p], b, run.args.seed)),
+                                "length_ordered": layout(sorted_batches(run.pools[p], b))}
+                       for b in run.sizes_of[p]},
             "hf": {}, "sglang": {}, "oom_search": {}, "checks": {},
         }
-        lo = result["profiles"][p]["layout"][str(bsz)]
-        log(f"{p}: {len(lens)} prompts, mean {statistics.mean(lens):.0f}, max {max(lens)}; "
-            f"B={bsz}: padded/real {lo['random']['padded_over_real']:.2f}, "
-            f"length-ordered {lo['length_ordered']['padded_over_real']:.2f}, "
-            f"packed {lo['random']['packed_over_real']:.2f}")
-    save()
+        lo = run.result["profiles"][p]["layout"][str(run.bsz)]
+        run.log(f"{p}: {len(lens)} prompts, mean {statistics.mean(lens):.0f}, max {max(lens)}; "
+                f"B={run.bsz}: padded/real {lo['random']['padded_over_real']:.2f}, "
+                f"length-ordered {lo['length_ordered']['padded_over_real']:.2f}, "
+                f"packed {lo['random']['packed_over_real']:.2f}")
+    run.save()
 
-    # ---- Hugging Face
-    hf_methods = [m for m in methods if m in HF_METHODS]
-    if hf_methods:
-        t0 = time.perf_counter()
-        model = load_hf_model(args.model_path, args.device, dtype, random_weights)
-        weights_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-        result["hf_weights_mib"] = weights_bytes / 2**20
-        log(f"HF model ready in {time.perf_counter() - t0:.1f} s "
+
+# ------------------------------------------------------------------------------- main: HF
+
+
+def hf_side(run: PrepackingRun) -> None:
+    """Every HF method and metric on every profile; on CUDA the sweep profile's OOM search."""
+    hf_methods = [m for m in run.methods if m in HF_METHODS]
+    if not hf_methods:
+        return
+    t0 = time.perf_counter()
+    model = load_hf_model(run.args.model_path, run.args.device, run.dtype, run.random_weights)
+    weights_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    run.result["hf_weights_mib"] = weights_bytes / 2**20
+    run.log(f"HF model ready in {time.perf_counter() - t0:.1f} s "
             f"({weights_bytes / 2**20:.0f} MiB of weights)")
-        for p in profiles:
-            log(f"  [{p}]")
-            res = result["profiles"][p]
-            oomed: set[tuple[str, str]] = set()
-            for b in sizes_of[p]:
-                logits = {}
-                for metric in METRICS:
-                    for m in hf_methods:
-                        key = f"{m}/{metric}"
-                        if (m, metric) in oomed:
-                            res["hf"].setdefault(key, {})[str(b)] = {"oom": True,
-                                                                     "skipped": "smaller OOMed"}
-                            continue
-                        entry, lg = time_hf(model, m, metric, pools[p], b, args, dtype,
-                                            weights_bytes, log, keep_logits=b == bsz)
-                        if entry.get("oom"):
-                            oomed.add((m, metric))
-                            log(f"    {m:12s} {metric:7s} B={b:5d}: out of memory")
-                        res["hf"].setdefault(key, {})[str(b)] = entry
-                        if lg is not None and m != "hf_lenorder":
-                            logits[(m, metric)] = torch.cat(lg)
-                        save()
-                if b == bsz and ("hf_padded", "ttft") in logits and ("hf_packed", "ttft") in logits:
-                    a, c = logits[("hf_packed", "ttft")], logits[("hf_padded", "ttft")]
-                    res["checks"]["ttft_first_token_packed_equals_padded"] = (
-                        f"{int((a.argmax(-1) == c.argmax(-1)).sum())}/{a.shape[0]}")
-                    res["checks"]["ttft_logits_packed_vs_padded_max_rel_err"] = (
-                        (a - c).abs().max() / c.abs().max()).item()
-                    if ("hf_packed", "prefill") in logits and ("hf_padded", "prefill") in logits:
-                        a, c = logits[("hf_packed", "prefill")], logits[("hf_padded", "prefill")]
-                        res["checks"]["prefill_logits_packed_vs_padded_max_rel_err"] = (
-                            (a - c).abs().max() / c.abs().max()).item()
-                    log(f"    checks: {res['checks']}")
-                del logits
-            # Largest batch before OOM: double past the pool until each method fails.
-            if cuda and p == sweep_profile:
-                b = max(sizes_of[p]) * 2
-                alive = {(m, metric) for m in hf_methods if m != "hf_lenorder"
-                         for metric in METRICS} - oomed
-                while alive and b <= args.oom_cap:
-                    big = make_pool(p, b, cfg["vocab_size"], args.seed + 1, args.max_len)
-                    for metric in METRICS:
-                        for m in ("hf_padded", "hf_packed"):
-                            if (m, metric) not in alive:
-                                continue
-                            r, lg = measure_hf(model, m, metric, big, args.device, dtype,
-                                               weights_bytes)
-                            del lg
-                            r["real_tokens"] = sum(map(len, big))
-                            r["padded_tokens"] = len(big) * max(map(len, big))
-                            res["oom_search"].setdefault(f"{m}/{metric}", {})[str(b)] = r
-                            if r.get("oom"):
-                                alive.discard((m, metric))
-                                log(f"    OOM search {m} {metric} B={b}: out of memory")
-                            else:
-                                log(f"    OOM search {m} {metric} B={b}: {r['s']:.3f} s, "
-                                    f"peak {r['peak_mib']:.0f} MiB")
-                            save()
-                    del big
-                    b *= 2
-                largest = {}
-                for m in ("hf_padded", "hf_packed"):
-                    for metric in METRICS:
-                        ok = [int(k) for k, v in res["hf"].get(f"{m}/{metric}", {}).items()
-                              if not v.get("oom")]
-                        ok += [int(k) for k, v in res["oom_search"].get(f"{m}/{metric}",
-                                                                         {}).items()
-                               if not v.get("oom")]
-                        tried = ([int(k) for k in res["oom_search"].get(f"{m}/{metric}", {})]
-                                 + [int(k) for k in res["hf"].get(f"{m}/{metric}", {})])
-                        largest[f"{m}/{metric}"] = {
-                            "largest_fitting": max(ok) if ok else None,
-                            "first_oom": min([t for t in tried if t not in ok], default=None),
-                        }
-                res["largest_batch"] = largest
-                log(f"    largest batch: {largest}")
-                save()
-        del model
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+    for p in run.profiles:
+        run.log(f"  [{p}]")
+        res = run.result["profiles"][p]
+        oomed: set[tuple[str, str]] = set()
+        for b in run.sizes_of[p]:
+            logits = time_hf_batch_size(run, model, hf_methods, p, b, weights_bytes, oomed)
+            if b == run.bsz:
+                packed_vs_padded_checks(run, res["checks"], logits)
+            del logits
+        if run.cuda and p == run.sweep_profile:
+            oom_search(run, model, hf_methods, p, weights_bytes, oomed)
+            res["largest_batch"] = largest_batches(res)
+            run.log(f"    largest batch: {res['largest_batch']}")
+            run.save()
+    del model
+    gc.collect()
+    if run.cuda:
+        torch.cuda.empty_cache()
 
-    # ---- SGLang: one engine, dense and UniPrefill alternating per batch size
-    sg_methods = [m for m in methods if m in SG_METHODS]
-    if sg_methods:
-        max_tokens = max(sum(len(x) for x in bt) for p in profiles for b in sizes_of[p]
-                         for bt in random_batches(pools[p], b, args.seed))
-        max_len = max(len(x) for p in profiles for x in pools[p])
-        t0 = time.perf_counter()
-        engine = start_engine(args, random_weights, max_tokens, max(max(v) for v in
-                                                                    sizes_of.values()),
-                              max_len, cfg.get("max_position_embeddings") or 0)
-        try:
-            state = engine.get_server_info()["internal_states"][0]
-            result["sglang"] = {"engine_start_s": time.perf_counter() - t0,
+
+def time_hf_batch_size(run: PrepackingRun, model, hf_methods: list, p: str, b: int,
+                       weights_bytes: int, oomed: set) -> dict:
+    """Each metric of each HF method at batch size `b` (a pair that ran out of memory at a
+    smaller size is skipped, and one that runs out now joins `oomed`). At --batch-size: the
+    first pass's logits per (method, metric), for the checks."""
+    res = run.result["profiles"][p]
+    logits = {}
+    for metric in METRICS:
+        for m in hf_methods:
+            key = f"{m}/{metric}"
+            if (m, metric) in oomed:
+                res["hf"].setdefault(key, {})[str(b)] = {"oom": True, "skipped": "smaller OOMed"}
+                continue
+            entry, lg = time_hf(model, m, metric, run.pools[p], b, run.args, run.dtype,
+                                weights_bytes, run.log, keep_logits=b == run.bsz)
+            if entry.get("oom"):
+                oomed.add((m, metric))
+                run.log(f"    {m:12s} {metric:7s} B={b:5d}: out of memory")
+            res["hf"].setdefault(key, {})[str(b)] = entry
+            if lg is not None and m != "hf_lenorder":
+                logits[(m, metric)] = torch.cat(lg)
+            run.save()
+    return logits
+
+
+def packed_vs_padded_checks(run: PrepackingRun, checks: dict, logits: dict) -> None:
+    """Prepacking's first tokens and logits against the padded batch's (same batches)."""
+    if ("hf_padded", "ttft") not in logits or ("hf_packed", "ttft") not in logits:
+        return
+    a, c = logits[("hf_packed", "ttft")], logits[("hf_padded", "ttft")]
+    checks["ttft_first_token_packed_equals_padded"] = (
+        f"{int((a.argmax(-1) == c.argmax(-1)).sum())}/{a.shape[0]}")
+    checks["ttft_logits_packed_vs_padded_max_rel_err"] = (
+        (a - c).abs().max() / c.abs().max()).item()
+    if ("hf_packed", "prefill") in logits and ("hf_padded", "prefill") in logits:
+        a, c = logits[("hf_packed", "prefill")], logits[("hf_padded", "prefill")]
+        checks["prefill_logits_packed_vs_padded_max_rel_err"] = (
+            (a - c).abs().max() / c.abs().max()).item()
+    run.log(f"    checks: {checks}")
+
+
+def oom_search(run: PrepackingRun, model, hf_methods: list, p: str, weights_bytes: int,
+               oomed: set) -> None:
+    """Largest batch before OOM: one batch of twice the largest timed size, then twice that,
+    ... per padded and packed method and metric, until each fails or --oom-cap is passed."""
+    res = run.result["profiles"][p]
+    b = max(run.sizes_of[p]) * 2
+    alive = {(m, metric) for m in hf_methods if m != "hf_lenorder"
+             for metric in METRICS} - oomed
+    while alive and b <= run.args.oom_cap:
+        big = make_pool(p, b, run.cfg["vocab_size"], run.args.seed + 1, run.args.max_len)
+        for metric in METRICS:
+            for m in ("hf_padded", "hf_packed"):
+                if (m, metric) not in alive:
+                    continue
+                r, lg = measure_hf(model, m, metric, big, run.args.device, run.dtype,
+                                   weights_bytes)
+                del lg
+                r["real_tokens"] = sum(map(len, big))
+                r["padded_tokens"] = len(big) * max(map(len, big))
+                res["oom_search"].setdefault(f"{m}/{metric}", {})[str(b)] = r
+                if r.get("oom"):
+                    alive.discard((m, metric))
+                    run.log(f"    OOM search {m} {metric} B={b}: out of memory")
+                else:
+                    run.log(f"    OOM search {m} {metric} B={b}: {r['s']:.3f} s, "
+                            f"peak {r['peak_mib']:.0f} MiB")
+                run.save()
+        del big
+        b *= 2
+
+
+def largest_batches(res: dict) -> dict:
+    """Per padded and packed method and metric: the largest batch that fitted and the smallest
+    that ran out of memory, over the timed sizes and the OOM search."""
+    largest = {}
+    for m in ("hf_padded", "hf_packed"):
+        for metric in METRICS:
+            timed = res["hf"].get(f"{m}/{metric}", {})
+            searched = res["oom_search"].get(f"{m}/{metric}", {})
+            ok = [int(k) for k, v in timed.items() if not v.get("oom")]
+            ok += [int(k) for k, v in searched.items() if not v.get("oom")]
+            tried = [int(k) for k in searched] + [int(k) for k in timed]
+            largest[f"{m}/{metric}"] = {
+                "largest_fitting": max(ok) if ok else None,
+                "first_oom": min([t for t in tried if t not in ok], default=None),
+            }
+    return largest
+
+
+# ------------------------------------------------------------------------------- main: SGLang
+
+
+def sglang_side(run: PrepackingRun) -> None:
+    """One engine, dense and UniPrefill alternating per batch size."""
+    sg_methods = [m for m in run.methods if m in SG_METHODS]
+    if not sg_methods:
+        return
+    max_tokens = max(sum(len(x) for x in bt) for p in run.profiles for b in run.sizes_of[p]
+                     for bt in random_batches(run.pools[p], b, run.args.seed))
+    max_len = max(len(x) for p in run.profiles for x in run.pools[p])
+    t0 = time.perf_counter()
+    engine = start_engine(run.args, run.random_weights, max_tokens,
+                          max(max(v) for v in run.sizes_of.values()), max_len,
+                          run.cfg.get("max_position_embeddings") or 0)
+    try:
+        state = engine.get_server_info()["internal_states"][0]
+        run.result["sglang"] = {"engine_start_s": time.perf_counter() - t0,
                                 "memory_usage": state.get("memory_usage"),
                                 "max_prefill_tokens": max(16384, max_tokens + 64),
                                 "memory_meaning": "weights and the KV pool SGLang preallocates "
                                                   "(its memory_usage, GB); batches run inside "
                                                   "the pool or wait, never OOM"}
-            if cuda:
-                free, total = torch.cuda.mem_get_info()
-                result["sglang"]["device_used_gib_all_processes"] = (total - free) / 2**30
-            log(f"SGLang engine ready in {result['sglang']['engine_start_s']:.1f} s; "
-                f"memory_usage {result['sglang']['memory_usage']}")
-            save()
-            for p in profiles:
-                log(f"  [{p}]")
-                for b in sizes_of[p]:
-                    for m in sg_methods:
-                        entry = time_sglang(engine, m, pools[p], b, args, keep_ratio, log)
-                        result["profiles"][p]["sglang"].setdefault(m, {})[str(b)] = entry
-                        save()
-        finally:
-            engine.shutdown()
+        if run.cuda:
+            free, total = torch.cuda.mem_get_info()
+            run.result["sglang"]["device_used_gib_all_processes"] = (total - free) / 2**30
+        run.log(f"SGLang engine ready in {run.result['sglang']['engine_start_s']:.1f} s; "
+                f"memory_usage {run.result['sglang']['memory_usage']}")
+        run.save()
+        for p in run.profiles:
+            run.log(f"  [{p}]")
+            for b in run.sizes_of[p]:
+                for m in sg_methods:
+                    entry = time_sglang(engine, m, run.pools[p], b, run.args, run.keep_ratio,
+                                        run.log)
+                    run.result["profiles"][p]["sglang"].setdefault(m, {})[str(b)] = entry
+                    run.save()
+    finally:
+        engine.shutdown()
 
-    # ---- table: batch size --batch-size, every profile
-    log("")
-    log(f"{result['device_name']}, {name}, {result['dtype']}, batch {bsz}, "
-        f"pool {pool_n}: mean per batch, ms (peak MiB, weights included)")
-    log("| profile | metric | " + " | ".join(methods) + " |")
-    log("|---" * (len(methods) + 2) + "|")
-    for p in profiles:
-        res = result["profiles"][p]
+
+def log_table(run: PrepackingRun) -> None:
+    """Batch size --batch-size, every profile: mean ms per batch (peak MiB) per method."""
+    run.log("")
+    run.log(f"{run.result['device_name']}, {run.name}, {run.result['dtype']}, batch {run.bsz}, "
+            f"pool {run.pool_n}: mean per batch, ms (peak MiB, weights included)")
+    run.log("| profile | metric | " + " | ".join(run.methods) + " |")
+    run.log("|---" * (len(run.methods) + 2) + "|")
+    for p in run.profiles:
+        res = run.result["profiles"][p]
         for metric in METRICS:
             cells = []
-            for m in methods:
+            for m in run.methods:
                 e = (res["hf"].get(f"{m}/{metric}", {}) if m in HF_METHODS else
-                     res["sglang"].get(m, {}) if metric == "ttft" else {}).get(str(bsz))
+                     res["sglang"].get(m, {}) if metric == "ttft" else {}).get(str(run.bsz))
                 if not e:
                     cells.append("-")
                 elif e.get("oom"):
@@ -693,10 +757,18 @@ def main() -> None:
                 else:
                     mem = f" ({e['peak_mib']:.0f})" if e.get("peak_mib") else ""
                     cells.append(f"{e['mean_s_per_batch'] * 1e3:.1f}{mem}")
-            log(f"| {p} | {metric} | " + " | ".join(cells) + " |")
-    save()
-    log(f"wrote {out_path}")
-    if cuda:
+            run.log(f"| {p} | {metric} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    run = PrepackingRun(parse_args())
+    describe_profiles(run)
+    hf_side(run)
+    sglang_side(run)
+    log_table(run)
+    run.save()
+    run.log(f"wrote {run.out_path}")
+    if run.cuda:
         # The engine is shut down and the file written; on the H200 the interpreter's exit
         # then hung for minutes (seen once), so leave without the exit handlers.
         sys.stdout.flush()

@@ -102,7 +102,19 @@ def peak_extra_bytes(fn):
     return peak
 
 
-def main(argv=None):
+# score_tokens tile configurations timed by --sweep.
+TILE_CONFIGS = [
+    dict(rows=64, block_n=64, rows2=64, block_n2=64, num_warps=8, num_warps2=8),
+    dict(rows=128, block_n=64, rows2=64, block_n2=64, num_warps=8, num_warps2=8),
+    dict(rows=64, block_n=128, rows2=64, block_n2=128, num_warps=8, num_warps2=8),
+    dict(rows=128, block_n=32, rows2=128, block_n2=64, num_warps=8, num_warps2=8),
+    dict(rows=64, block_n=64, rows2=32, block_n2=64, num_warps=4, num_warps2=4),
+    dict(rows=64, block_n=64, rows2=64, block_n2=64, num_warps=4, num_warps2=8, num_stages=3),
+    dict(rows=64, block_n=64, rows2=64, block_n2=32, num_warps=8, num_warps2=4),
+]
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="8192,32768,65536,131072")
     ap.add_argument("--batches", default="1,8")
@@ -125,114 +137,125 @@ def main(argv=None):
                     help="skip comparing Triton scores with the reference")
     ap.add_argument("--sweep", action="store_true", help="also time a few score-kernel tile configs")
     ap.add_argument("--out", default=None, help="JSON output path")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    if not torch.cuda.is_available():
-        print("CUDA is required", file=sys.stderr)
-        return 2
-    K = load_kernels()
-    from importlib import import_module
 
-    st = import_module(K.__name__ + ".score_triton")
-    dtype = getattr(torch, args.dtype)
-    n, hq, hkv, d = args.n, args.hq, args.hkv, args.head_dim
-    dev_name = torch.cuda.get_device_name()
-    results = []
+class Shape:
+    """One (length, batch) point: its inputs, the selection's arguments and a scores buffer."""
 
-    for L in [int(x) for x in args.lengths.split(",")]:
-        for B in [int(x) for x in args.batches.split(",")]:
-            inp = make_inputs(L, B, n, hq, hkv, d, dtype, args.shuffle_slots)
-            sel_args = (inp["k_pos"], inp["k_indptr"], torch.zeros(B, dtype=torch.int64, device="cuda"),
-                        args.block_size, torch.full((B,), args.top_p, device="cuda"),
-                        torch.zeros(B, device="cuda"), args.sink, args.window)
-            scores_buf = torch.empty(L * B, dtype=torch.float32, device="cuda")
+    def __init__(self, K, L: int, B: int, args, dtype):
+        self.K, self.L, self.B, self.n = K, L, B, args.n
+        self.inp = make_inputs(L, B, args.n, args.hq, args.hkv, args.head_dim, dtype,
+                               args.shuffle_slots)
+        self.sel_args = (self.inp["k_pos"], self.inp["k_indptr"],
+                         torch.zeros(B, dtype=torch.int64, device="cuda"), args.block_size,
+                         torch.full((B,), args.top_p, device="cuda"), torch.zeros(B, device="cuda"),
+                         args.sink, args.window)
+        self.scores_buf = torch.empty(L * B, dtype=torch.float32, device="cuda")
 
-            def tri_score():
-                return K.score_tokens(**inp, max_q=n, max_k=L, out=scores_buf)
+    def tri_score(self):
+        return self.K.score_tokens(**self.inp, max_q=self.n, max_k=self.L, out=self.scores_buf)
 
-            def tri_select():
-                return K.select_tokens(scores_buf, *sel_args)
+    def tri_select(self):
+        return self.K.select_tokens(self.scores_buf, *self.sel_args)
 
-            def tri_all():
-                s = K.score_tokens(**inp, max_q=n, max_k=L)
-                return K.select_tokens(s, *sel_args)
+    def tri_all(self):
+        s = self.K.score_tokens(**self.inp, max_q=self.n, max_k=self.L)
+        return self.K.select_tokens(s, *self.sel_args)
 
-            row = dict(L=L, B=B, n=n, hq=hq, hkv=hkv, d=d, dtype=args.dtype, block_size=args.block_size,
-                       top_p=args.top_p)
-            row["triton_score_ms"] = cuda_time_ms(tri_score, args.warmup, args.iters)
-            row["triton_select_ms"] = cuda_time_ms(tri_select, args.warmup, args.iters)
-            row["triton_total_ms"] = cuda_time_ms(tri_all, args.warmup, args.iters)
-            row["triton_peak_extra_mib"] = peak_extra_bytes(tri_all) / 2**20
-            kept = int(tri_select()[1].sum())
-            row["kept_fraction"] = kept / (L * B)
+    def ref_all(self):
+        s = self.K.score_tokens_reference(**self.inp, compute_dtype=torch.float32,
+                                          kv_head_chunk=None)
+        return self.K.select_tokens_reference(s, *self.sel_args)
 
-            flops = 2 * 2 * n * L * hq * d * B
-            esz = torch.finfo(dtype).bits // 8
-            bytes_ = B * (2 * L * hkv * d * esz + n * hq * d * esz * 2 + L * 4)
-            t = row["triton_score_ms"] * 1e-3
-            row["score_flops"] = flops
-            row["score_bytes_ideal"] = bytes_
-            row["score_tflops"] = flops / t / 1e12
-            row["score_gbps"] = bytes_ / t / 1e9
-            row["score_frac_peak_flops"] = row["score_tflops"] / H200_TFLOPS
-            row["score_frac_peak_bw"] = row["score_gbps"] / (H200_TBPS * 1e3)
 
-            row["ref_total_ms"] = None
-            row["ref_peak_extra_mib"] = None
-            row["max_rel_err_vs_ref"] = None
-            if L * B <= args.ref_max_total:
-                def ref_all():
-                    s = K.score_tokens_reference(**inp, compute_dtype=torch.float32, kv_head_chunk=None)
-                    return K.select_tokens_reference(s, *sel_args)
+def time_triton(shape: Shape, row: dict, args) -> None:
+    row["triton_score_ms"] = cuda_time_ms(shape.tri_score, args.warmup, args.iters)
+    row["triton_select_ms"] = cuda_time_ms(shape.tri_select, args.warmup, args.iters)
+    row["triton_total_ms"] = cuda_time_ms(shape.tri_all, args.warmup, args.iters)
+    row["triton_peak_extra_mib"] = peak_extra_bytes(shape.tri_all) / 2**20
+    kept = int(shape.tri_select()[1].sum())
+    row["kept_fraction"] = kept / (shape.L * shape.B)
 
-                try:
-                    row["ref_total_ms"] = cuda_time_ms(ref_all, 1, args.ref_iters)
-                    row["ref_peak_extra_mib"] = peak_extra_bytes(ref_all) / 2**20
-                    if args.check:
-                        ref = K.score_tokens_reference(**inp, compute_dtype=torch.float32, kv_head_chunk=1)
-                        got = tri_score()
-                        err = ((got - ref).abs() / (ref.abs() + 1e-6 * float(ref.abs().max()))).max()
-                        row["max_rel_err_vs_ref"] = float(err)
-                        del ref, got
-                except torch.cuda.OutOfMemoryError:
-                    row["ref_total_ms"] = "OOM"
-                    torch.cuda.empty_cache()
-            if isinstance(row["ref_total_ms"], float):
-                row["speedup_vs_ref"] = row["ref_total_ms"] / row["triton_total_ms"]
 
-            if args.sweep:
-                row["sweep"] = []
-                configs = [
-                    dict(rows=64, block_n=64, rows2=64, block_n2=64, num_warps=8, num_warps2=8),
-                    dict(rows=128, block_n=64, rows2=64, block_n2=64, num_warps=8, num_warps2=8),
-                    dict(rows=64, block_n=128, rows2=64, block_n2=128, num_warps=8, num_warps2=8),
-                    dict(rows=128, block_n=32, rows2=128, block_n2=64, num_warps=8, num_warps2=8),
-                    dict(rows=64, block_n=64, rows2=32, block_n2=64, num_warps=4, num_warps2=4),
-                    dict(rows=64, block_n=64, rows2=64, block_n2=64, num_warps=4, num_warps2=8, num_stages=3),
-                    dict(rows=64, block_n=64, rows2=64, block_n2=32, num_warps=8, num_warps2=4),
-                ]
-                for cfg in configs:
-                    def f(cfg=cfg):
-                        return st.score_tokens_triton(**inp, max_q=n, max_k=L, out=scores_buf, **cfg)
-                    try:
-                        ms = cuda_time_ms(f, args.warmup, args.iters)
-                    except Exception as e:  # noqa: BLE001 (report and continue)
-                        ms = f"error: {type(e).__name__}: {e}"[:200]
-                    row["sweep"].append(dict(cfg=cfg, score_ms=ms))
-            results.append(row)
-            inp = scores_buf = None  # free before the next shape
+def score_roofline(row: dict, dtype) -> None:
+    """The scoring pass's FLOPs and ideal bytes (see the docstring), and their achieved rates."""
+    L, B, n, hq, hkv, d = (row[k] for k in ("L", "B", "n", "hq", "hkv", "d"))
+    flops = 2 * 2 * n * L * hq * d * B
+    esz = torch.finfo(dtype).bits // 8
+    bytes_ = B * (2 * L * hkv * d * esz + n * hq * d * esz * 2 + L * 4)
+    t = row["triton_score_ms"] * 1e-3
+    row["score_flops"] = flops
+    row["score_bytes_ideal"] = bytes_
+    row["score_tflops"] = flops / t / 1e12
+    row["score_gbps"] = bytes_ / t / 1e9
+    row["score_frac_peak_flops"] = row["score_tflops"] / H200_TFLOPS
+    row["score_frac_peak_bw"] = row["score_gbps"] / (H200_TBPS * 1e3)
+
+
+def time_reference(shape: Shape, row: dict, args) -> None:
+    """The torch reference's time and memory, and the Triton scores' largest error against it
+    (skipped above --ref-max-total keys; "OOM" when it does not fit)."""
+    row["ref_total_ms"] = None
+    row["ref_peak_extra_mib"] = None
+    row["max_rel_err_vs_ref"] = None
+    if shape.L * shape.B <= args.ref_max_total:
+        try:
+            row["ref_total_ms"] = cuda_time_ms(shape.ref_all, 1, args.ref_iters)
+            row["ref_peak_extra_mib"] = peak_extra_bytes(shape.ref_all) / 2**20
+            if args.check:
+                ref = shape.K.score_tokens_reference(**shape.inp, compute_dtype=torch.float32,
+                                                     kv_head_chunk=1)
+                got = shape.tri_score()
+                err = ((got - ref).abs() / (ref.abs() + 1e-6 * float(ref.abs().max()))).max()
+                row["max_rel_err_vs_ref"] = float(err)
+                del ref, got
+        except torch.cuda.OutOfMemoryError:
+            row["ref_total_ms"] = "OOM"
             torch.cuda.empty_cache()
-            print(f"done L={L} B={B}: triton {row['triton_total_ms']:.3f} ms", file=sys.stderr)
+    if isinstance(row["ref_total_ms"], float):
+        row["speedup_vs_ref"] = row["ref_total_ms"] / row["triton_total_ms"]
 
-    def fmt(x, spec=".3f"):
-        if x is None:
-            return "-"
-        if isinstance(x, str):
-            return x
-        return format(x, spec)
 
+def sweep_tiles(st, shape: Shape, args) -> list:
+    out = []
+    for cfg in TILE_CONFIGS:
+        def f(cfg=cfg):
+            return st.score_tokens_triton(**shape.inp, max_q=shape.n, max_k=shape.L,
+                                          out=shape.scores_buf, **cfg)
+        try:
+            ms = cuda_time_ms(f, args.warmup, args.iters)
+        except Exception as e:  # noqa: BLE001 (report and continue)
+            ms = f"error: {type(e).__name__}: {e}"[:200]
+        out.append(dict(cfg=cfg, score_ms=ms))
+    return out
+
+
+def measure(K, st, L: int, B: int, args, dtype) -> dict:
+    shape = Shape(K, L, B, args, dtype)
+    row = dict(L=L, B=B, n=args.n, hq=args.hq, hkv=args.hkv, d=args.head_dim, dtype=args.dtype,
+               block_size=args.block_size, top_p=args.top_p)
+    time_triton(shape, row, args)
+    score_roofline(row, dtype)
+    time_reference(shape, row, args)
+    if args.sweep:
+        row["sweep"] = sweep_tiles(st, shape, args)
+    return row
+
+
+def fmt(x, spec=".3f") -> str:
+    """A table cell: "-" for nothing, text as it is, a number in `spec`."""
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return format(x, spec)
+
+
+def print_tables(results: list, dev_name: str, args) -> None:
     print(f"\n## UniPrefill selection kernels on {dev_name} "
-          f"(Hq={hq}, Hkv={hkv}, D={d}, {args.dtype}, n={n}, block={args.block_size}, top_p={args.top_p})\n")
+          f"(Hq={args.hq}, Hkv={args.hkv}, D={args.head_dim}, {args.dtype}, n={args.n}, "
+          f"block={args.block_size}, top_p={args.top_p})\n")
     print("| L | B | score ms | select ms | total ms | ref ms | speedup | peak MiB (triton) | peak MiB (ref) "
           "| TFLOP/s | % 790 | GB/s (ideal) | % 4.8TB/s | kept | max rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -248,6 +271,27 @@ def main(argv=None):
         for r in results:
             for s in r.get("sweep", []):
                 print(f"- L={r['L']} B={r['B']} {s['cfg']}: {fmt(s['score_ms'])}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("CUDA is required", file=sys.stderr)
+        return 2
+    K = load_kernels()
+    from importlib import import_module
+
+    st = import_module(K.__name__ + ".score_triton")
+    dtype = getattr(torch, args.dtype)
+    dev_name = torch.cuda.get_device_name()
+    results = []
+    for L in [int(x) for x in args.lengths.split(",")]:
+        for B in [int(x) for x in args.batches.split(",")]:
+            row = measure(K, st, L, B, args, dtype)
+            results.append(row)
+            torch.cuda.empty_cache()  # the shape's tensors are freed with it
+            print(f"done L={L} B={B}: triton {row['triton_total_ms']:.3f} ms", file=sys.stderr)
+    print_tables(results, dev_name, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(header=result_header(model=f"selection only: Hq {args.hq}, Hkv {args.hkv}, "

@@ -15,7 +15,7 @@ For every input length and concurrency it runs
         --num-prompts max(4, 2 * C) --max-concurrency C --request-rate inf
 
 and collects mean / median / p99 TTFT, ITL and throughput, plus the keep ratio the UniPrefill
-server realised (its cumulative kept / scored tokens, from /get_server_info).
+server realised (its cumulative kept / scored tokens, from /server_info).
 
     python benchmarks/bench_serving_sweep.py --model-path benchmarks/models/llama-3.1-8b \\
         --lengths 32768,65536 --concurrency 1,4,8,16 --gpus 0,1 \\
@@ -26,84 +26,54 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_serving_runs import (  # noqa: E402
+    METRICS,
+    bench_serving_command,
+    kept_fraction,
+    run_bench_serving,
+)
 from result_header import result_header  # noqa: E402
 from synthetic_model import prepare  # noqa: E402
 
-METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
-           "p99_itl_ms", "mean_e2e_latency_ms", "request_throughput", "input_throughput",
-           "output_throughput", "duration", "completed")
-
-
-def _get(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
+from uniprefill_sglang.tools import server_process as sp  # noqa: E402
 
 
 class Server:
+    """One of the two servers compared: its name in the rows, and its process."""
+
     def __init__(self, name: str, model: str, port: int, gpu: str, extra: list, log_dir: Path,
                  context_length: int):
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
-               "--load-format", "dummy", "--port", str(port), "--host", "127.0.0.1",
-               "--disable-radix-cache", "--context-length", str(context_length),
-               "--random-seed", "0", *extra]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
-        self.log = open(log_dir / f"server_{name}.log", "w")
+        self.name = name
+        cmd = sp.server_command(model, port, "--load-format", "dummy", "--disable-radix-cache",
+                                "--context-length", str(context_length), "--random-seed", "0",
+                                *extra, uniprefill=False)
+        env = sp.launch_env(CUDA_VISIBLE_DEVICES=gpu,
+                            SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
         print(f"[{name}] GPU {gpu}: {' '.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.process = sp.ServerProcess(cmd, log_dir / f"server_{name}.log", env)
+        self.url = self.process.url
 
     def wait_ready(self, timeout: float) -> None:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}")
-            try:
-                urllib.request.urlopen(self.url + "/health_generate", timeout=5)
-                print(f"[{self.name}] ready after {time.time() - t0:.0f} s", flush=True)
-                return
-            except Exception:
-                time.sleep(2)
-        raise TimeoutError(f"server {self.name} not ready in {timeout} s")
+        seconds = self.process.wait_healthy(timeout)
+        print(f"[{self.name}] ready after {seconds:.0f} s", flush=True)
 
     def uniprefill_state(self) -> dict:
-        info = _get(self.url + "/get_server_info")
+        info = sp.server_info(self.url, timeout=5.0)
         states = info.get("internal_states") or [{}]
         return dict(states[0].get("uniprefill") or {},
                     chunked_prefill_size=info.get("chunked_prefill_size"),
                     attention_backend=info.get("attention_backend"))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def bench_serving_command(url: str, model: str, length: int, output_len: int, num_prompts: int,
-                          conc: int, seed: int, out_file: Path, extra: tuple = ()) -> list:
-    """`sglang.bench_serving` on `num_prompts` random-ids prompts of exactly `length` tokens."""
-    return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-            "--base-url", url, "--dataset-name", "random-ids", "--tokenize-prompt",
-            "--tokenizer", model, "--model", model,
-            "--random-input-len", str(length), "--random-output-len", str(output_len),
-            "--random-range-ratio", "1", "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(conc), "--request-rate", "inf", "--disable-tqdm",
-            "--seed", str(seed), "--output-file", str(out_file), *extra]
+        self.process.stop()
 
 
 def run_bench(server: Server, model: str, length: int, conc: int, args, out_dir: Path) -> dict:
@@ -112,16 +82,12 @@ def run_bench(server: Server, model: str, length: int, conc: int, args, out_dir:
     cmd = bench_serving_command(server.url, model, length, args.output_len, num_prompts, conc,
                                 length + conc, out_file)
     before = server.uniprefill_state()
-    with open(out_dir / f"bench_{server.name}.log", "a") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True,
-                       timeout=args.bench_timeout)
+    result = run_bench_serving(cmd, out_file, out_dir / f"bench_{server.name}.log",
+                               args.bench_timeout)
     after = server.uniprefill_state()
-    result = json.loads(out_file.read_text().strip().splitlines()[-1])
     row = {k: result.get(k) for k in METRICS}
-    scored = after.get("scored_tokens", 0) - before.get("scored_tokens", 0)
-    kept = after.get("kept_tokens", 0) - before.get("kept_tokens", 0)
     row.update(server=server.name, length=length, concurrency=conc, num_prompts=num_prompts,
-               kept_fraction=(kept / scored) if scored else None)
+               kept_fraction=kept_fraction(before, after))
     print(f"[{server.name}] L={length} C={conc}: mean TTFT {row['mean_ttft_ms']:.0f} ms, "
           f"ITL {row['mean_itl_ms']:.1f} ms, kept {row['kept_fraction']}", flush=True)
     return row
@@ -160,7 +126,7 @@ def summarize(rows: list) -> list:
     return table
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True, help="a folder with config.json")
     ap.add_argument("--lengths", default="32768,65536")
@@ -173,8 +139,59 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=400)
     ap.add_argument("--bench-timeout", type=float, default=600)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def sweep_side_by_side(plans: list, model: str, args, out_dir: Path, context: int, rows: list,
+                       lock, save, setup: dict) -> None:
+    """Both servers started, then both sweeps at once (a GPU each)."""
+    servers = [Server(n, model, 30000 + 100 * i, g, x, out_dir, context)
+               for i, (n, g, x) in enumerate(plans)]
+    try:
+        for s in servers:
+            s.wait_ready(args.start_timeout)
+        setup.update({s.name: s.uniprefill_state() for s in servers})
+        setup["command"] = " ".join(sys.argv)
+        threads = [threading.Thread(target=sweep, args=(s, model, args, out_dir, rows, lock, save))
+                   for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def sweep_in_turn(plans: list, model: str, args, out_dir: Path, context: int, rows: list,
+                  lock, save, setup: dict) -> None:
+    """One server at a time, each stopped before the next starts."""
+    for i, (n, g, x) in enumerate(plans):
+        server = Server(n, model, 30000 + 100 * i, g, x, out_dir, context)
+        try:
+            server.wait_ready(args.start_timeout)
+            setup[n] = server.uniprefill_state()
+            sweep(server, model, args, out_dir, rows, lock, save)
+        finally:
+            server.stop()
+
+
+def print_summary(rows: list) -> None:
+    print("| length | conc | dense mean/median/p99 TTFT ms | UniPrefill mean/median/p99 TTFT ms "
+          "| mean TTFT speedup | ITL ms dense / UniPrefill | req/s dense / UniPrefill | kept |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in summarize(rows):
+        print(f"| {r['length']} | {r['concurrency']} | {r['dense_mean_ttft_ms']:.0f} / "
+              f"{r['dense_median_ttft_ms']:.0f} / {r['dense_p99_ttft_ms']:.0f} | "
+              f"{r['up_mean_ttft_ms']:.0f} / {r['up_median_ttft_ms']:.0f} / "
+              f"{r['up_p99_ttft_ms']:.0f} | {r['mean_ttft_speedup']:.2f}x | "
+              f"{r['dense_mean_itl_ms']:.1f} / {r['up_mean_itl_ms']:.1f} | "
+              f"{r['dense_req_per_s']:.3f} / {r['up_req_per_s']:.3f} | "
+              f"{r['kept_fraction'] if r['kept_fraction'] is None else round(r['kept_fraction'], 3)} |")
+
+
+def main() -> None:
+    args = parse_args()
     out_dir = Path(args.out).with_suffix("")
     out_dir.mkdir(parents=True, exist_ok=True)
     model = prepare(args.model_path, tempfile.mkdtemp(prefix="uniprefill-model-"))
@@ -193,45 +210,11 @@ def main() -> None:
                 {"header": result_header(model=args.model_path), "setup": setup,
                  "summary": summarize(rows), "rows": rows}, indent=1))
 
-    if len(gpus) > 1:  # side by side: start both, sweep both at once
-        servers = [Server(n, model, 30000 + 100 * i, g, x, out_dir, context)
-                   for i, (n, g, x) in enumerate(plans)]
-        try:
-            for s in servers:
-                s.wait_ready(args.start_timeout)
-            setup.update({s.name: s.uniprefill_state() for s in servers})
-            setup["command"] = " ".join(sys.argv)
-            threads = [threading.Thread(target=sweep, args=(s, model, args, out_dir, rows, lock, save))
-                       for s in servers]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            for s in servers:
-                s.stop()
-    else:
-        for i, (n, g, x) in enumerate(plans):
-            server = Server(n, model, 30000 + 100 * i, g, x, out_dir, context)
-            try:
-                server.wait_ready(args.start_timeout)
-                setup[n] = server.uniprefill_state()
-                sweep(server, model, args, out_dir, rows, lock, save)
-            finally:
-                server.stop()
+    run = sweep_side_by_side if len(gpus) > 1 else sweep_in_turn
+    run(plans, model, args, out_dir, context, rows, lock, save, setup)
     setup["command"] = " ".join(sys.argv)
     save()
-    print("| length | conc | dense mean/median/p99 TTFT ms | UniPrefill mean/median/p99 TTFT ms "
-          "| mean TTFT speedup | ITL ms dense / UniPrefill | req/s dense / UniPrefill | kept |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in summarize(rows):
-        print(f"| {r['length']} | {r['concurrency']} | {r['dense_mean_ttft_ms']:.0f} / "
-              f"{r['dense_median_ttft_ms']:.0f} / {r['dense_p99_ttft_ms']:.0f} | "
-              f"{r['up_mean_ttft_ms']:.0f} / {r['up_median_ttft_ms']:.0f} / "
-              f"{r['up_p99_ttft_ms']:.0f} | {r['mean_ttft_speedup']:.2f}x | "
-              f"{r['dense_mean_itl_ms']:.1f} / {r['up_mean_itl_ms']:.1f} | "
-              f"{r['dense_req_per_s']:.3f} / {r['up_req_per_s']:.3f} | "
-              f"{r['kept_fraction'] if r['kept_fraction'] is None else round(r['kept_fraction'], 3)} |")
+    print_summary(rows)
 
 
 if __name__ == "__main__":

@@ -73,107 +73,155 @@ def _meta(out) -> dict:
             "prefix": last.get("prefix"), "finish": out["meta_info"].get("finish_reason")}
 
 
-def run_config(name: str, args) -> dict:
-    """One configuration's workloads (called in a process whose plugins match `name`)."""
-    if args.device == "cpu":  # a smoke run of this script on SGLang's CPU engine
-        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
-
-        activate_cpu_engine_env()
+def start_engine(name: str, args, lengths: list, cfg: dict):
+    """Configuration `name`'s engine: random weights, token ids in and out, a context that
+    holds the longest prompt (the model's own unless that is too short)."""
     import sglang
 
-    from uniprefill_sglang.tools.cpu_engine import flush_cache as flush
-
-    cfg = json.load(open(os.path.join(args.model_path, "config.json")))
-    vocab = cfg["vocab_size"]
-    lengths = [int(x) for x in args.lengths.split(",")]
-    # The model's own context length unless the longest prompt needs more.
     needed = max(lengths) + 64  # the 16 greedy tokens and the decode probe fit
     context = {} if cfg.get("max_position_embeddings", 0) >= needed else {
         "context_length": needed}
     device = dict(device="cpu", attention_backend="torch_native", dtype="float32",
                   max_total_tokens=4 * max(lengths), disable_cuda_graph=True) \
         if args.device == "cpu" else dict(attention_backend=args.attention_backend)
-    engine = sglang.Engine(model_path=args.model_path, load_format="dummy", random_seed=0,
-                           log_level="error", skip_tokenizer_init=True, **context, **device,
-                           **CONFIGS[name],
-                           **json.loads(args.extra))
+    return sglang.Engine(model_path=args.model_path, load_format="dummy", random_seed=0,
+                         log_level="error", skip_tokenizer_init=True, **context, **device,
+                         **CONFIGS[name],
+                         **json.loads(args.extra))
+
+
+def engine_description(name: str, engine) -> dict:
+    """What the result row says of the engine before any workload: its flags, memory and what
+    SGLang chose."""
     info = engine.get_server_info()
     memory = info["internal_states"][0].get("memory_usage") or {}
-    result = {"config": name, "flags": CONFIGS[name], "memory_usage_gb": memory,
-              "sglang_chose": {k: info.get(k) for k in (
-                  "chunked_prefill_size", "mem_fraction_static", "attention_backend",
-                  "cuda_graph_backend_prefill", "disable_radix_cache", "uniprefill_kv_layout",
-                  "uniprefill_prefix_policy", "uniprefill_top_p")},
-              "max_total_num_tokens": memory.get("token_capacity")}
-    rng = random.Random(args.seed)
-    one = {"temperature": 0.0, "max_new_tokens": 1}
-    plugin = name != "stock"
+    return {"config": name, "flags": CONFIGS[name], "memory_usage_gb": memory,
+            "sglang_chose": {k: info.get(k) for k in (
+                "chunked_prefill_size", "mem_fraction_static", "attention_backend",
+                "cuda_graph_backend_prefill", "disable_radix_cache", "uniprefill_kv_layout",
+                "uniprefill_prefix_policy", "uniprefill_top_p")},
+            "max_total_num_tokens": memory.get("token_capacity")}
 
-    def save():
-        with open(args.partial, "w") as f:
-            json.dump(result, f, indent=1)
 
-    # The short batch comes first: its first call is the first work after start-up.
-    n_short, n_mid = [int(x) for x in args.batch_sizes.split(",")]
-    todo = set(args.workloads.split(","))
-    short = [_ids(rng, rng.randint(200, 1200), vocab) for _ in range(n_short)]
-    times = []
-    for _ in range(3 if "short" in todo else 0):
-        seconds, _ = _timed(engine, short, one)
-        times.append(round(seconds, 4))
-        flush(engine)
-    if times:
-        result["short_batch"] = {"first_s": times[0], "best_s": min(times)}
-    result["single"] = {}
-    for n in lengths if "single" in todo else []:
-        prompt = _ids(rng, n, vocab)
-        seconds, out = _timed(engine, prompt, one)
-        row = {"ttft_s": round(seconds, 4), **_meta(out)}
-        if plugin and n == max(lengths):
-            greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-            flush(engine)
-            seconds, top1 = _timed(engine, prompt, {**greedy, "custom_params": {
-                "uniprefill_top_p": 1.0}})
-            flush(engine)
-            _, dense = _timed(engine, prompt, {**greedy, "custom_params": {"uniprefill": False}})
-            row["top_p_1"] = {"seconds_16_tokens": round(seconds, 4), **_meta(top1),
-                              "equal_to_dense": top1["output_ids"] == dense["output_ids"]}
-        result["single"][str(n)] = row
-        flush(engine)
-        save()
-    top = min(6144, max(lengths))
-    mid = [_ids(rng, rng.randint(top // 3, top), vocab) for _ in range(n_mid)]
-    if "mid" in todo:
-        seconds, _ = _timed(engine, mid, one)
-        result["mid_batch"] = {"seconds": round(seconds, 4)}
-        flush(engine)
-        save()
-    result["follow_ups"] = {}
-    for doc_len in [int(x) for x in args.doc_tokens.split(",")] if "follow" in todo else []:
-        doc = _ids(rng, doc_len, vocab)
-        first, _ = _timed(engine, doc + _ids(rng, 100, vocab), one)
-        follow = []
-        for _ in range(3):
-            seconds, out = _timed(engine, doc + _ids(rng, 100, vocab), one)
-            follow.append({"seconds": round(seconds, 4),
-                           "cached_tokens": out["meta_info"].get("cached_tokens"),
-                           **_meta(out)})
-        result["follow_ups"][str(doc_len)] = {"first_s": round(first, 4), "follow": follow}
-        flush(engine)
-        save()
-    prompt = _ids(rng, min(8192, max(lengths)), vocab)
-    if "decode" not in todo:
-        save()
+class Workloads:
+    """One configuration's workloads on its engine. Every prompt is drawn from one seeded
+    generator in a fixed order, also for the workloads left out, so each configuration gets the
+    same prompts; `result` is written to `partial` after each workload."""
+
+    ONE_TOKEN = {"temperature": 0.0, "max_new_tokens": 1}
+
+    def __init__(self, engine, result: dict, args, vocab: int, lengths: list):
+        self.engine, self.result, self.args = engine, result, args
+        self.vocab, self.lengths = vocab, lengths
+        self.rng = random.Random(args.seed)
+        self.todo = set(args.workloads.split(","))
+        self.plugin = result["config"] != "stock"
+
+    def flush(self) -> None:
+        from uniprefill_sglang.tools.cpu_engine import flush_cache
+
+        flush_cache(self.engine)
+
+    def ids(self, n: int) -> list:
+        return _ids(self.rng, n, self.vocab)
+
+    def save(self) -> None:
+        with open(self.args.partial, "w") as f:
+            json.dump(self.result, f, indent=1)
+
+    def run(self) -> dict:
+        # The short batch comes first: its first call is the first work after start-up.
+        n_short, n_mid = [int(x) for x in self.args.batch_sizes.split(",")]
+        self.short_batch([self.ids(self.rng.randint(200, 1200)) for _ in range(n_short)])
+        self.singles()
+        top = min(6144, max(self.lengths))
+        self.mid_batch([self.ids(self.rng.randint(top // 3, top)) for _ in range(n_mid)])
+        self.follow_ups()
+        self.decode(self.ids(min(8192, max(self.lengths))))
+        self.save()
+        return self.result
+
+    def short_batch(self, prompts: list) -> None:
+        times = []
+        for _ in range(3 if "short" in self.todo else 0):
+            seconds, _ = _timed(self.engine, prompts, self.ONE_TOKEN)
+            times.append(round(seconds, 4))
+            self.flush()
+        if times:
+            self.result["short_batch"] = {"first_s": times[0], "best_s": min(times)}
+
+    def singles(self) -> None:
+        self.result["single"] = {}
+        for n in self.lengths if "single" in self.todo else []:
+            prompt = self.ids(n)
+            seconds, out = _timed(self.engine, prompt, self.ONE_TOKEN)
+            row = {"ttft_s": round(seconds, 4), **_meta(out)}
+            if self.plugin and n == max(self.lengths):
+                row["top_p_1"] = self.top_p_1_against_dense(prompt)
+            self.result["single"][str(n)] = row
+            self.flush()
+            self.save()
+
+    def top_p_1_against_dense(self, prompt: list) -> dict:
+        """16 greedy tokens at UniPrefill top-p 1.0, and whether dense gives the same."""
+        greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+        self.flush()
+        seconds, top1 = _timed(self.engine, prompt, {**greedy, "custom_params": {
+            "uniprefill_top_p": 1.0}})
+        self.flush()
+        _, dense = _timed(self.engine, prompt, {**greedy, "custom_params": {"uniprefill": False}})
+        return {"seconds_16_tokens": round(seconds, 4), **_meta(top1),
+                "equal_to_dense": top1["output_ids"] == dense["output_ids"]}
+
+    def mid_batch(self, prompts: list) -> None:
+        if "mid" in self.todo:
+            seconds, _ = _timed(self.engine, prompts, self.ONE_TOKEN)
+            self.result["mid_batch"] = {"seconds": round(seconds, 4)}
+            self.flush()
+            self.save()
+
+    def follow_ups(self) -> None:
+        self.result["follow_ups"] = {}
+        doc_lens = [int(x) for x in self.args.doc_tokens.split(",")]
+        for doc_len in doc_lens if "follow" in self.todo else []:
+            doc = self.ids(doc_len)
+            first, _ = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
+            follow = []
+            for _ in range(3):
+                seconds, out = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
+                follow.append({"seconds": round(seconds, 4),
+                               "cached_tokens": out["meta_info"].get("cached_tokens"),
+                               **_meta(out)})
+            self.result["follow_ups"][str(doc_len)] = {"first_s": round(first, 4),
+                                                       "follow": follow}
+            self.flush()
+            self.save()
+
+    def decode(self, prompt: list) -> None:
+        """Inter-token latency: 65 tokens less the first one's time, over 64."""
+        if "decode" not in self.todo:
+            return
+        t_first, _ = _timed(self.engine, prompt, self.ONE_TOKEN)
+        self.flush()
+        t_all, _ = _timed(self.engine, prompt, {"temperature": 0.0, "max_new_tokens": 65,
+                                                "ignore_eos": True})
+        self.result["decode_itl_ms"] = round((t_all - t_first) / 64 * 1000, 3)
+
+
+def run_config(name: str, args) -> dict:
+    """One configuration's workloads (called in a process whose plugins match `name`)."""
+    if args.device == "cpu":  # a smoke run of this script on SGLang's CPU engine
+        from uniprefill_sglang.tools.cpu_engine import activate_cpu_engine_env
+
+        activate_cpu_engine_env()
+    cfg = json.load(open(os.path.join(args.model_path, "config.json")))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    engine = start_engine(name, args, lengths, cfg)
+    try:
+        return Workloads(engine, engine_description(name, engine), args, cfg["vocab_size"],
+                         lengths).run()
+    finally:
         engine.shutdown()
-        return result
-    t_first, _ = _timed(engine, prompt, one)
-    flush(engine)
-    t_all, _ = _timed(engine, prompt, {"temperature": 0.0, "max_new_tokens": 65,
-                                       "ignore_eos": True})
-    result["decode_itl_ms"] = round((t_all - t_first) / 64 * 1000, 3)
-    save()
-    engine.shutdown()
-    return result
 
 
 def main() -> None:

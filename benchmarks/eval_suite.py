@@ -73,13 +73,10 @@ class EngineTarget:
         self.startup_s = time.perf_counter() - t0
 
     def generate(self, input_ids: list, sampling_params: dict) -> dict:
+        from uniprefill_sglang.tools.demo import timed_generate
+
         t0 = time.perf_counter()
-        ttft, last = None, None
-        for chunk in self.engine.generate(input_ids=input_ids, sampling_params=sampling_params,
-                                          stream=True):
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = chunk
+        ttft, last = timed_generate(self.engine, input_ids, sampling_params)
         return _result(last, ttft, time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -100,30 +97,26 @@ class HTTPTarget:
         self.model_path = info.get("model_path", base_url)
 
     def generate(self, input_ids: list, sampling_params: dict) -> dict:
+        from uniprefill_sglang.tools.server_process import sse_events
+
         t0 = time.perf_counter()
         ttft, last = None, None
         with self.session.post(f"{self.base_url}/generate", stream=True, timeout=self.timeout,
                                json={"input_ids": input_ids, "sampling_params": sampling_params,
                                      "stream": True}) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line or not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
+            for event in sse_events(r.iter_lines()):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
-                last = json.loads(data)
+                last = event
         return _result(last, ttft, time.perf_counter() - t0)
 
     def flush_cache(self) -> None:
         # Identical prompts would reuse the dense pass's KV otherwise (server started without
-        # --disable-radix-cache); retried because a flush is refused while requests run.
-        for _ in range(50):
-            if self.session.post(f"{self.base_url}/flush_cache", timeout=60).status_code == 200:
-                return
-            time.sleep(0.2)
+        # --disable-radix-cache).
+        from uniprefill_sglang.tools.server_process import flush_cache
+
+        flush_cache(self.base_url, timeout_s=10.0)
 
     def close(self) -> None:
         self.session.close()

@@ -39,13 +39,14 @@ import json
 import os
 import random
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_header, also when loaded by path
 from result_header import result_header  # noqa: E402
+
+from uniprefill_sglang.tools.cpu_engine import flush_cache  # noqa: E402
 
 MODES = {
     "dense": ({"uniprefill": False}, True),
@@ -109,14 +110,6 @@ def random_conversations(lengths, question_tokens: int, num_questions: int, voca
     return out
 
 
-def _flush(engine) -> None:
-    deadline = time.monotonic() + 120
-    while not engine.flush_cache().success:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the radix cache flush kept being refused")
-        time.sleep(0.1)
-
-
 def _send(engine, ids: List[int], knobs: dict, max_new_tokens: int) -> dict:
     """One greedy request, streamed: TTFT = the first chunk's arrival."""
     from uniprefill_sglang.tools.demo import timed_generate
@@ -138,10 +131,10 @@ def run(engine, conversations: List[Conversation], modes: List[str], max_new_tok
         for conv in conversations:
             for mode in modes:
                 knobs, cached = MODES[mode]
-                _flush(engine)
+                flush_cache(engine, timeout_s=120)
                 for turn, ids in enumerate(conv.prompts):
                     if not cached:
-                        _flush(engine)
+                        flush_cache(engine, timeout_s=120)
                     res = _send(engine, ids, knobs, max_new_tokens)
                     q = conv.questions[turn] if conv.questions else None
                     row = {"conversation": conv.name, "mode": mode, "turn": turn,

@@ -12,9 +12,9 @@ and checks what a server must guarantee under such traffic:
   (strict by default: a leak raises in the scheduler, so the server dies), and a server started
   here also gets `SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY=1`, which asserts the KV accounting
   (free + cached + protected + held by running requests == pool size) after every batch. After
-  the traffic the server must still answer `/health` and `/get_server_info`, and its log must
+  the traffic the server must still answer `/health` and `/server_info`, and its log must
   not report a leak. Ours, from
-  `/get_server_info` -> `internal_states[0]["uniprefill"]` once idle: no protected KV slot,
+  `/server_info` -> `internal_states[0]["uniprefill"]` once idle: no protected KV slot,
   available + evictable == max_total_num_tokens, every request slot free, no parked chunk;
   after `/flush_cache` every KV slot is free. `leaked slots` counts KV slots and request slots
   not accounted for.
@@ -77,7 +77,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import os
 import random
 import re
 import sys
@@ -301,11 +300,10 @@ async def _run_stream(session, url, spec, out: Outcome, incremental: bool) -> No
             return
         seen = 0
         async for raw in r.content:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
+            payload = sp.sse_payload(raw)
+            if payload is None:
                 continue
-            payload = line[len("data:"):].strip()
-            if payload == "[DONE]":
+            if payload == sp.SSE_DONE:
                 return
             event = json.loads(payload)
             if "error" in event:
@@ -499,7 +497,7 @@ def _check_live_server(url: str, server: Optional[sp.ServerProcess], idle_timeou
     idle_wait = time.monotonic() - t0
     problems = sp.idle_pool_problems(state)
     time.sleep(1.0)  # let the scheduler's idle loop run its own check at least once more
-    health = requests.get(url + "/health", timeout=30).status_code
+    health = sp.health_status(url)
     if health != 200:
         problems.append(f"/health answered {health}")
     if server is not None:
@@ -527,9 +525,8 @@ def start_server(args, extra: list, log_dir: Path) -> sp.ServerProcess:
         engine_kwargs = dict(chunked_prefill_size=512, max_running_requests=8)
     cmd = sp.server_command(args.model_path, sp.free_port(), *extra, cpu=args.cpu,
                             engine_kwargs=engine_kwargs)
-    env = sp.run_cpu_env(str(REPO)) if args.cpu else dict(os.environ)
-    if args.busy_mem_check:
-        env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    busy_check = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"} if args.busy_mem_check else {}
+    env = sp.launch_env(args.cpu, str(REPO), **busy_check)
     print("server:", " ".join(cmd), flush=True)
     return sp.ServerProcess(cmd, log_dir / "server.log", env)
 
@@ -537,66 +534,106 @@ def start_server(args, extra: list, log_dir: Path) -> sp.ServerProcess:
 # --- main -------------------------------------------------------------------------------------
 
 
-def soak(args, extra: list) -> dict:
+@dataclasses.dataclass
+class SoakRun:
+    """What one soak sent and what it saw, before it is judged."""
+    info: dict  # the server's /server_info
+    chunk: int  # its chunked prefill size (10**9: none)
+    specs: list
+    outcomes: dict
+    checks: dict  # the pools after the traffic
+    final: dict  # the pools after the replay (`checks` itself when nothing was replayed)
+    replayed: dict
+    startup_s: float
+    traffic_s: float
+    replay_s: float
+
+
+def soak_config(args) -> dict:
+    """The preset, with the sizes given on the command line in place of its own."""
     cfg = dict(PRESETS[args.preset])
     for key in cfg:
         value = getattr(args, key, None)
         if value is not None:
             cfg[key] = value
+    return cfg
+
+
+def soak(args, extra: list) -> dict:
+    cfg = soak_config(args)
     rng = random.Random(args.seed)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = None
     t_start = time.monotonic()
+    server = None if args.url else start_server(args, extra, log_dir)
     try:
-        n_firsts = cfg["requests"] + cfg["shared_groups"] * (cfg["group_size"] + 1) + 8
-        if args.url:
-            url = args.url.rstrip("/")
-            assert re.match(r"^http://(127\.0\.0\.1|localhost)(:\d+)?$", url), (
-                "the soak only talks to a local server")
-            info = requests.get(url + "/get_server_info", timeout=30).json()
-            use_tokenizer = not info.get("skip_tokenizer_init", False)
-            tokens = TokenSource(args.model_path, use_tokenizer, rng, n_firsts)
-        else:
-            server = start_server(args, extra, log_dir)
-            # The prompts' text is tokenized while the server starts.
-            use_tokenizer = "--skip-tokenizer-init" not in extra
-            tokens = TokenSource(args.model_path, use_tokenizer, rng, n_firsts)
-            server.wait_healthy(args.start_timeout_s)
-            url = server.url
-            info = requests.get(url + "/get_server_info", timeout=30).json()
-        startup_s = time.monotonic() - t_start
-        chunk = int(info.get("chunked_prefill_size") or 0)
-        chunk = chunk if chunk > 0 else 10**9
-        incremental = bool(info.get("incremental_streaming_output", False))
-        ignore_eos = None if use_tokenizer else True  # random weights: fixed-length answers
-        specs = build_plan(cfg, tokens, chunk, rng, ignore_eos)
-        print(f"plan: {len(specs)} requests, concurrency {cfg['concurrency']} "
-              f"(max running {info.get('max_running_requests')}), chunked prefill {chunk}, "
-              f"longest prompt {max(len(s.input_ids) for s in specs)} tokens", flush=True)
-
-        t0 = time.monotonic()
-        outcomes = asyncio.run(run_traffic(url, specs, cfg["concurrency"], cfg["time_limit_s"],
-                                           cfg["request_timeout_s"], incremental))
-        traffic_s = time.monotonic() - t0
-        checks = check_server(url, server, cfg["idle_timeout_s"])
-
-        t0 = time.monotonic()
-        if checks.get("unreachable"):  # nothing to replay against
-            replayed = {"comparable": sum(comparable(s, outcomes[s.idx]) for s in specs),
-                        "replayed": 0, "replayed_dropped": 0, "mismatches": [],
-                        "drop_mismatches": [], "errors": [], "not_replayed_time_limit": 0,
-                        "not_replayed_server_unreachable": True}
-            final = checks
-        else:
-            replayed = replay(url, specs, outcomes, cfg["max_replays"],
-                              cfg["replay_time_limit_s"], rng, cfg["request_timeout_s"])
-            final = check_server(url, server, cfg["idle_timeout_s"])
-        replay_s = time.monotonic() - t0
+        run = run_soak(args, extra, cfg, rng, server, t_start)
     finally:
         if server is not None:
             server.stop()
+    return soak_result(args, extra, cfg, run, log_dir, t_start)
 
+
+def connect(args, extra: list, cfg: dict, rng: random.Random,
+            server: Optional[sp.ServerProcess]) -> tuple:
+    """(url, /server_info, the prompts' token source, whether they are real text) of the local
+    server at `--url`, or of `server` once healthy (the text is tokenized while it starts)."""
+    n_firsts = cfg["requests"] + cfg["shared_groups"] * (cfg["group_size"] + 1) + 8
+    if server is None:
+        url = args.url.rstrip("/")
+        assert re.match(r"^http://(127\.0\.0\.1|localhost)(:\d+)?$", url), (
+            "the soak only talks to a local server")
+        info = sp.server_info(url)
+        use_tokenizer = not info.get("skip_tokenizer_init", False)
+        return url, info, TokenSource(args.model_path, use_tokenizer, rng, n_firsts), use_tokenizer
+    use_tokenizer = "--skip-tokenizer-init" not in extra
+    tokens = TokenSource(args.model_path, use_tokenizer, rng, n_firsts)
+    server.wait_healthy(args.start_timeout_s)
+    return server.url, sp.server_info(server.url), tokens, use_tokenizer
+
+
+def run_soak(args, extra: list, cfg: dict, rng: random.Random,
+             server: Optional[sp.ServerProcess], t_start: float) -> SoakRun:
+    """The plan, its traffic, the checks after it, the replay and the checks after that."""
+    url, info, tokens, use_tokenizer = connect(args, extra, cfg, rng, server)
+    startup_s = time.monotonic() - t_start
+    chunk = int(info.get("chunked_prefill_size") or 0)
+    chunk = chunk if chunk > 0 else 10**9
+    incremental = bool(info.get("incremental_streaming_output", False))
+    ignore_eos = None if use_tokenizer else True  # random weights: fixed-length answers
+    specs = build_plan(cfg, tokens, chunk, rng, ignore_eos)
+    print(f"plan: {len(specs)} requests, concurrency {cfg['concurrency']} "
+          f"(max running {info.get('max_running_requests')}), chunked prefill {chunk}, "
+          f"longest prompt {max(len(s.input_ids) for s in specs)} tokens", flush=True)
+
+    t0 = time.monotonic()
+    outcomes = asyncio.run(run_traffic(url, specs, cfg["concurrency"], cfg["time_limit_s"],
+                                       cfg["request_timeout_s"], incremental))
+    traffic_s = time.monotonic() - t0
+    checks = check_server(url, server, cfg["idle_timeout_s"])
+    t0 = time.monotonic()
+    replayed, final = replay_and_recheck(url, server, specs, outcomes, checks, cfg, rng)
+    return SoakRun(info=info, chunk=chunk, specs=specs, outcomes=outcomes, checks=checks,
+                   final=final, replayed=replayed, startup_s=startup_s, traffic_s=traffic_s,
+                   replay_s=time.monotonic() - t0)
+
+
+def replay_and_recheck(url: str, server: Optional[sp.ServerProcess], specs: list,
+                       outcomes: dict, checks: dict, cfg: dict, rng: random.Random) -> tuple:
+    """(the replay, the pools after it); neither runs against a server that stopped answering."""
+    if checks.get("unreachable"):
+        replayed = {"comparable": sum(comparable(s, outcomes[s.idx]) for s in specs),
+                    "replayed": 0, "replayed_dropped": 0, "mismatches": [],
+                    "drop_mismatches": [], "errors": [], "not_replayed_time_limit": 0,
+                    "not_replayed_server_unreachable": True}
+        return replayed, checks
+    replayed = replay(url, specs, outcomes, cfg["max_replays"], cfg["replay_time_limit_s"], rng,
+                      cfg["request_timeout_s"])
+    return replayed, check_server(url, server, cfg["idle_timeout_s"])
+
+
+def tally(specs: list, outcomes: dict) -> tuple:
+    """(counts of what the requests did, requests per kind, the failed requests)."""
     failures = []
     counts = {"served": 0, "aborted": 0, "abort_too_late": 0, "aborted_before_first_token": 0,
               "aborted_in_decode": 0, "disconnected": 0, "dropped": 0, "dense": 0,
@@ -625,31 +662,45 @@ def soak(args, extra: list) -> dict:
             counts["abort_too_late"] += out.abort_sent
             counts[drop_outcome(out.meta)] = counts.get(drop_outcome(out.meta), 0) + 1
             counts["cached_prefix"] += bool((out.meta or {}).get("cached_tokens"))
+    return counts, by_kind, failures
+
+
+def request_rows(specs: list, outcomes: dict) -> list:
+    """One line per request for the result file."""
+    return [{"idx": s.idx, "kind": s.kind, "action": s.action, "stream": s.stream,
+             "prompt_tokens": len(s.input_ids), "sampling": s.sampling,
+             "status": outcomes[s.idx].status, "finish": outcomes[s.idx].finish,
+             "output_tokens": len(outcomes[s.idx].output_ids),
+             "cached_tokens": (outcomes[s.idx].meta or {}).get("cached_tokens"),
+             "seconds": round(outcomes[s.idx].seconds, 2),
+             "error": outcomes[s.idx].error} for s in specs]
+
+
+def soak_result(args, extra: list, cfg: dict, run: SoakRun, log_dir: Path,
+                t_start: float) -> dict:
+    """The result file's content: the settings, the counts, every failure and problem, the
+    pools' states, the replay and one line per request."""
+    counts, by_kind, failures = tally(run.specs, run.outcomes)
+    checks, final, replayed = run.checks, run.final, run.replayed
     problems = checks["problems"] + [f"after the replay: {p}" for p in final["problems"]
                                      if final is not checks]
     summary = {
-        "requests": len(specs), **counts, "failures": len(failures),
+        "requests": len(run.specs), **counts, "failures": len(failures),
         "leaked_slots": max(checks["leaked_slots"], final["leaked_slots"]),
         "pool_problems": len(problems), "replayed": replayed["replayed"],
         "comparable": replayed["comparable"], "replay_mismatches": len(replayed["mismatches"]),
         "drop_mismatches": len(replayed["drop_mismatches"]),
-        "replay_errors": len(replayed["errors"]), "startup_s": round(startup_s, 1),
-        "traffic_s": round(traffic_s, 1), "replay_s": round(replay_s, 1),
+        "replay_errors": len(replayed["errors"]), "startup_s": round(run.startup_s, 1),
+        "traffic_s": round(run.traffic_s, 1), "replay_s": round(run.replay_s, 1),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     return {"config": {**cfg, "seed": args.seed, "server_args": extra, "url": args.url,
-                       "chunked_prefill_size": chunk,
-                       "max_running_requests": info.get("max_running_requests")},
+                       "chunked_prefill_size": run.chunk,
+                       "max_running_requests": run.info.get("max_running_requests")},
             "kinds": by_kind, "summary": summary, "failures": failures, "problems": problems,
             "pools": {"after_traffic": checks, "after_replay": final},
             "replay": replayed, "log_dir": str(log_dir),
-            "requests": [{"idx": s.idx, "kind": s.kind, "action": s.action, "stream": s.stream,
-                          "prompt_tokens": len(s.input_ids), "sampling": s.sampling,
-                          "status": outcomes[s.idx].status, "finish": outcomes[s.idx].finish,
-                          "output_tokens": len(outcomes[s.idx].output_ids),
-                          "cached_tokens": (outcomes[s.idx].meta or {}).get("cached_tokens"),
-                          "seconds": round(outcomes[s.idx].seconds, 2),
-                          "error": outcomes[s.idx].error} for s in specs]}
+            "requests": request_rows(run.specs, run.outcomes)}
 
 
 def print_table(result: dict) -> None:

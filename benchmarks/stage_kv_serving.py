@@ -71,7 +71,6 @@ import os
 import random
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import threading
@@ -85,7 +84,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_serving_sweep import METRICS, bench_serving_command  # noqa: E402
+from bench_serving_runs import (  # noqa: E402
+    METRICS,
+    bench_serving_command,
+    kept_fraction,
+    run_bench_serving,
+)
 from result_header import result_header  # noqa: E402
 from synthetic_model import prepare  # noqa: E402
 
@@ -148,10 +152,8 @@ def server_cmd(mode: str, args, model: str, port: int) -> list:
 
 
 def server_env(args) -> dict:
-    env = sp.run_cpu_env(str(REPO)) if args.cpu else dict(os.environ)
     # The probe's 128K prompt plus its new tokens exceed Llama-3.1's 131072 positions.
-    env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
-    return env
+    return sp.launch_env(args.cpu, str(REPO), SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN="1")
 
 
 def num_prompts(conc: int, per_conc: float) -> int:
@@ -191,8 +193,9 @@ def bench_cmd(url: str, model: str, conc: int, args, vocab: int, out_file: Path)
 # --- server state -----------------------------------------------------------------------------
 
 
-def server_info(url: str, timeout: float = 60.0) -> dict:
-    return requests.get(url + "/server_info", timeout=timeout).json()
+def server_info(url: str) -> dict:
+    # It waits for the scheduler, which may be in a long prefill.
+    return sp.server_info(url, timeout=60.0)
 
 
 def pool_view(info: dict) -> dict:
@@ -396,22 +399,16 @@ def run_point(url: str, model: str, mode: str, conc: int, args, vocab: int, log_
     before = wait_idle(url)
     log(f"[{mode}] C={conc}: {n} prompts of {args.input_len} tokens, {args.output_len} out, "
         f"seed {seed}")
-    with Poller(url, args.poll_interval) as poller, \
-            open(log_dir / f"bench_{mode}.log", "a") as out:
-        out.write(f"\n$ {shlex.join(cmd)}\n")
-        out.flush()
-        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout)
+    with Poller(url, args.poll_interval) as poller:
+        result = run_bench_serving(cmd, out_file, log_dir / f"bench_{mode}.log", timeout)
     after = pool_view(server_info(url))
-    result = json.loads(out_file.read_text().strip().splitlines()[-1])
     row = {k: result.get(k) for k in BENCH_METRICS}
     cache = result.get("cache_report") or {}
-    up_b, up_a = before["uniprefill"] or {}, after["uniprefill"] or {}
-    scored = up_a.get("scored_tokens", 0) - up_b.get("scored_tokens", 0)
-    kept = up_a.get("kept_tokens", 0) - up_b.get("kept_tokens", 0)
+    kept = kept_fraction(before["uniprefill"] or {}, after["uniprefill"] or {})
     pools = kv_pools(before)
     row.update(concurrency=conc, num_prompts=n, seed=seed,
                cached_tokens=cache.get("total_cached_tokens"),
-               kept_fraction=round(kept / scored, 4) if scored else None,
+               kept_fraction=None if kept is None else round(kept, 4),
                running=running_stats(poller.loads, conc),
                pools=pool_stats(poller.pools, [p["size"] for p in pools] if pools else None),
                poll_errors=poller.errors,

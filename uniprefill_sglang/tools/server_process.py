@@ -1,10 +1,13 @@
-"""A `python -m sglang.launch_server` process on 127.0.0.1, started and stopped as a unit.
+"""A `python -m sglang.launch_server` process on 127.0.0.1, started and stopped as a unit, and
+the HTTP calls made to it (server info, health, radix-cache flush, streamed responses, the
+scheduler's `uniprefill` pool state).
 
-Used by the HTTP tests and `benchmarks/soak.py`:
+Used by the HTTP tests and the server benchmarks (`benchmarks/soak.py`,
+`benchmarks/stage_kv_serving.py`, `benchmarks/bench_serving_sweep.py`):
 
     port = free_port()
     cmd = server_command(model_path, port, "--enable-metrics", cpu=True)
-    with ServerProcess(cmd, log_path, env={**os.environ, **cpu_engine_env()}) as server:
+    with ServerProcess(cmd, log_path, launch_env(cpu=True)) as server:
         server.wait_healthy(420)
         server.post("/generate", {...})
 
@@ -23,12 +26,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional, Union
 
 import requests
 
 HOST = "127.0.0.1"
 REQUEST_TIMEOUT_S = 180
+SSE_DONE = "[DONE]"  # the payload of a stream's last `data:` line
 
 
 def free_port(host: str = HOST) -> int:
@@ -102,7 +106,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                if health_status(self.url, timeout=5) == 200:
                     self.startup_seconds = time.monotonic() - t0
                     return self.startup_seconds
             except requests.RequestException:
@@ -148,19 +152,14 @@ class ServerProcess:
             if r.status_code != 200:
                 return r.status_code, [r.json()]
             events = []
-            for line in r.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
-                    break
-                events.append(json.loads(payload))
+            for event in sse_events(r.iter_lines(decode_unicode=True)):
+                events.append(event)
                 if len(events) >= max_events:
                     raise AssertionError(f"more than {max_events} events")
             return r.status_code, events
 
     def server_info(self) -> dict:
-        return requests.get(self.url + "/get_server_info", timeout=30).json()
+        return server_info(self.url)
 
     def pool_state(self, idle_timeout_s: float = 30.0) -> dict:
         """`internal_states[0]["uniprefill"]`, once the scheduler reports idle (or at timeout)."""
@@ -170,9 +169,40 @@ class ServerProcess:
         flush_cache(self.url, timeout_s)
 
 
+def server_info(url: str, timeout: float = 30.0) -> dict:
+    """`/server_info`: the server's arguments, the scheduler's limits and its
+    `internal_states`."""
+    return requests.get(url + "/server_info", timeout=timeout).json()
+
+
+def health_status(url: str, timeout: float = 30.0) -> int:
+    """The status `/health` answers (200: the server generated a token)."""
+    return requests.get(url + "/health", timeout=timeout).status_code
+
+
+def sse_payload(line: Union[str, bytes]) -> Optional[str]:
+    """What a server-sent-events `data:` line carries (`SSE_DONE` ends the stream); None for
+    any other line."""
+    if isinstance(line, bytes):
+        line = line.decode(errors="replace")
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    return line[len("data:"):].strip()
+
+
+def sse_events(lines: Iterable[Union[str, bytes]]) -> Iterator[dict]:
+    """The decoded JSON events of a streamed response's lines, up to `[DONE]`."""
+    for line in lines:
+        payload = sse_payload(line)
+        if payload == SSE_DONE:
+            return
+        if payload is not None:
+            yield json.loads(payload)
+
+
 def pool_state(url: str) -> dict:
-    info = requests.get(url + "/get_server_info", timeout=30).json()
-    return info["internal_states"][0]["uniprefill"]
+    return server_info(url)["internal_states"][0]["uniprefill"]
 
 
 def wait_pool_state(url: str, idle_timeout_s: float = 30.0) -> dict:
@@ -250,3 +280,11 @@ def run_cpu_env(repo_root: Optional[str] = None, base: Optional[Mapping[str, str
     base_env = dict(os.environ if base is None else base)
     return {**base_env, **cpu_engine_env(repo_root, base_env)}
 
+
+def launch_env(cpu: bool = False, repo_root: Optional[str] = None, **extra: str
+               ) -> dict[str, str]:
+    """The environment of a spawned server: `os.environ`, the CPU engine's variables when
+    `cpu`, then `extra`."""
+    env = run_cpu_env(repo_root) if cpu else dict(os.environ)
+    env.update(extra)
+    return env
