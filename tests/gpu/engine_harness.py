@@ -114,3 +114,29 @@ class EngineResults:
         if errors:
             pytest.fail(f"engine {name}: scenarios failed: {errors}")
         return res
+
+
+def wait_idle_state(engine, tries: int = 100) -> dict:
+    """The plugin's internal state once the scheduler has retired the last requests (they
+    return before it does)."""
+    for _ in range(tries):
+        state = engine.get_server_info()["internal_states"][0].get("uniprefill")
+        if state["idle"]:
+            break
+        time.sleep(0.1)
+    return state
+
+
+def serve_and_record(name: str, engines: dict, engine_kwargs: dict, model_dir: str,
+                     out_path: str, workload, port_base: int) -> None:
+    """The script side: start engine configuration `name`, run `workload(engine)` (a dict of
+    results), write them to `out_path` as JSON, and shut the engine down."""
+    import sglang
+
+    engine = sglang.Engine(model_path=model_dir, port=port_base + 100 * list(engines).index(name),
+                           **engine_kwargs, **engines[name])
+    try:
+        res = workload(engine)
+    finally:
+        engine.shutdown()
+    Path(out_path).write_text(json.dumps(res))

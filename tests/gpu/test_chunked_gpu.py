@@ -22,18 +22,17 @@ tests/test_engine_uniprefill.py.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_harness import EngineResults, cuda_device_count, log_dir_or, run_engines  # noqa: E402
+from engine_harness import (EngineResults, cuda_device_count, log_dir_or,  # noqa: E402
+                            run_engines, serve_and_record, wait_idle_state)
 from test_backends_gpu import _flush, _prompt, _record, build_model  # noqa: E402
 
 ENGINE_KWARGS = dict(
@@ -71,25 +70,8 @@ def run_workload(engine) -> dict:
             res[name].append(_record(engine.generate(
                 input_ids=ids, sampling_params=dict(GREEDY, custom_params=custom))))
             _flush(engine)
-    for _ in range(100):
-        res["state"] = engine.get_server_info()["internal_states"][0].get("uniprefill")
-        if res["state"]["idle"]:
-            break
-        time.sleep(0.1)
+    res["state"] = wait_idle_state(engine)
     return res
-
-
-def run_engine(name: str, model_dir: str, out_path: str) -> None:
-    import sglang
-
-    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
-    engine = sglang.Engine(model_path=model_dir, port=33000 + 100 * list(ENGINES).index(name),
-                           **ENGINE_KWARGS, **ENGINES[name])
-    try:
-        res = run_workload(engine)
-    finally:
-        engine.shutdown()
-    Path(out_path).write_text(json.dumps(res))
 
 
 @pytest.fixture(scope="module")
@@ -149,4 +131,6 @@ def test_no_parked_state_or_slot_left(results, name):
 
 
 if __name__ == "__main__":
-    run_engine(*sys.argv[1:4])
+    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
+    name, model_dir, out_path = sys.argv[1:4]
+    serve_and_record(name, ENGINES, ENGINE_KWARGS, model_dir, out_path, run_workload, 33000)
