@@ -1,12 +1,13 @@
-"""Every SGLang hook of uniprefill-sglang, one module per upstream component.
+"""Every change uniprefill-sglang makes to SGLang, one module per upstream component.
 
-Each module has a `register()` that registers its hooks with SGLang's
-`HookRegistry`; each hook's docstring names the upstream function it changes and why.
-Nothing in SGLang's files is edited: `HookRegistry.apply_hooks()` (run by SGLang's plugin loader
-in the launcher, in `sglang.Engine` and in every scheduler process) swaps them in. It only logs
-a target it cannot resolve, so the model runner hook checks, once the model and its attention
-backends exist, that every hook this process needs took (`unresolved_hooks`): an attention
-adapter's hooks are needed where its backend serves the model, every other hook always.
+Each module lists its rows in `HOOKS` (patches/hook_table.py: target, kind, function, why; the
+attention adapters' rows come from their adapters), and `hook_table()` is the one list of them
+that the loader registers and `python -m uniprefill_sglang.patches` prints. Nothing in SGLang's
+files is edited: `HookRegistry.apply_hooks()` (run by SGLang's plugin loader in the launcher,
+in `sglang.Engine` and in every scheduler process) swaps them in. It only logs a target it
+cannot resolve, so the model runner hook checks, once the model and its attention backends
+exist, that every hook this process needs took (`unresolved_hooks`): an attention adapter's
+hooks are needed where its backend serves the model, every other hook always.
 """
 
 from uniprefill_sglang.patches import (
@@ -23,25 +24,40 @@ from uniprefill_sglang.patches import (
     scheduler,
     server_args,
 )
+from uniprefill_sglang.patches.hook_table import Hook
 
-_MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, attention_backends,
-            scheduler, radix_cache, cuda_graphs, metrics, kv_pool,
-            kv_allocator)
+_MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, scheduler,
+            radix_cache, cuda_graphs, metrics, kv_pool, kv_allocator)
 
 
 # Test only (UNIPREFILL_TEST_FAULT=hook): a target no SGLang has, to check the start-up refusal.
 BROKEN_TEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.uniprefill_test_missing_target"
 
 
-def register_all() -> None:
+def hook_table() -> tuple:
+    """Every row, in registration order (the test-only broken target under its fault)."""
     from uniprefill_sglang import environ
 
-    for module in _MODULES:
-        module.register()
+    rows = [hook for module in _MODULES for hook in module.HOOKS]
+    rows += attention_backends.adapter_hooks()
     if environ.TEST_FAULT.get() == "hook":
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        rows.append(Hook(BROKEN_TEST_TARGET, "before", lambda *a, **k: None,
+                         "test only: a target no SGLang has (UNIPREFILL_TEST_FAULT=hook)"))
+    return tuple(rows)
 
-        HookRegistry.register(BROKEN_TEST_TARGET, lambda *a, **k: None, HookType.BEFORE)
+
+def register_all() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND,
+             "replace": HookType.REPLACE}
+    for hook in hook_table():
+        if hook.kind in kinds:
+            HookRegistry.register(hook.target, hook.resolve(), kinds[hook.kind])
+        elif hook.kind == "assign":
+            owner, name = hook.target.rsplit(".", 1)
+            module, cls = owner.rsplit(".", 1)
+            setattr(getattr(__import__(module, fromlist=[cls]), cls), name, hook.resolve())
 
 
 def _ours(hooks) -> bool:
@@ -56,10 +72,8 @@ def unresolved_hooks(backend_classes) -> list:
     loader ran (an import cycle at start-up) usually can be now."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from uniprefill_sglang.backends import adapters
-
-    optional = {a.target for a in adapters() if a.class_name not in set(backend_classes)}
+    optional = {h.target for h in attention_backends.adapter_hooks()
+                if h.backend not in set(backend_classes)}
     HookRegistry.apply_hooks()  # patched targets are skipped
     return sorted(t for t, hooks in HookRegistry._hooks.items()
-                  if _ours(hooks) and t not in HookRegistry._patched
-                  and t.rsplit(".", 1)[0] not in optional)
+                  if _ours(hooks) and t not in HookRegistry._patched and t not in optional)

@@ -25,13 +25,19 @@ hooks are listed by its adapter (`StageViewAdapter.hooks()`) and registered here
   convolution and recurrence over the survivors (uniprefill_sglang/backends/linear_attention.py).
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 
-def register() -> None:
+def adapter_hooks() -> tuple:
+    """The attention adapters' rows of the hook table, each needed only where its backend
+    serves the model."""
     from uniprefill_sglang.backends import adapters
 
-    kinds = {"around": HookType.AROUND, "after": HookType.AFTER}
+    rows = []
     for adapter in adapters():
+        module = __import__(type(adapter).__module__, fromlist=["_"])
+        why = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
         for method, hook, kind in adapter.hooks():
-            HookRegistry.register(f"{adapter.target}.{method}", hook, kinds[kind])
+            rows.append(Hook(f"{adapter.target}.{method}", kind, hook, why,
+                             backend=adapter.class_name))
+    return tuple(rows)

@@ -16,7 +16,7 @@ graphs need no bypass: the attention backends capture them with one view per sta
 (patches/attention_backends.py).
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 
 def needs_eager_prefill(forward_batch) -> bool:
@@ -48,8 +48,10 @@ def _keep_customized_info(original, runner, output, *args, **kwargs):
     return trimmed
 
 
-def register() -> None:
-    target = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
-    HookRegistry.register(f"{target}.can_run_graph", _prefill_can_run_graph, HookType.AROUND)
-    HookRegistry.register(f"{target}._trim_logits_output", _keep_customized_info,
-                          HookType.AROUND)
+_RUNNER = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+HOOKS = (
+    Hook(f"{_RUNNER}.can_run_graph", "around", _prefill_can_run_graph,
+         "a batch that drops, or reads sparse KV, changes its row count mid-forward: eager"),
+    Hook(f"{_RUNNER}._trim_logits_output", "around", _keep_customized_info,
+         "a replayed batch's logits output keeps the per-request UniPrefill report"),
+)

@@ -28,7 +28,7 @@ with SGLang's allocator and scheduler. Each is inert unless the allocator carrie
   would already include the drops of the batch whose admission failed, and never grow).
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 _ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 
@@ -121,7 +121,7 @@ def _before_admission(scheduler, running_batch=None, *args, **kwargs):
 def _after_admission(result, scheduler, *args, **kwargs):
     pools = _pools(scheduler.token_to_kv_pool_allocator)
     if pools is not None:
-        scheduler.uniprefill_room_after_admission = pools.available()
+        _admission(scheduler).room_after = pools.available()
     return result
 
 
@@ -135,28 +135,47 @@ def _new_tokens(req) -> int:
 def _retry_after_drops(scheduler, running_batch, available: int) -> None:
     """Lift SGLang's `batch_is_full` latch when drops gave stage memory back since the last
     admission (decode steps only take room; a finished request lifts the latch in SGLang)."""
-    room = getattr(scheduler, "uniprefill_room_after_admission", None)
+    admission = _admission(scheduler)
+    room = admission.room_after
     if running_batch.batch_is_full and room is not None and available > room:
         running_batch.batch_is_full = False
-        scheduler.uniprefill_admission_retries = admission_retries(scheduler) + 1
+        admission.retries += 1
+
+
+class _Admission:
+    """The scheduler's `uniprefill` attribute: the stage pools' room once the last admitted
+    batch had its slots, and how often admission was retried since drops gave memory back."""
+
+    def __init__(self):
+        self.room_after = None
+        self.retries = 0
+
+
+def _admission(scheduler) -> _Admission:
+    if getattr(scheduler, "uniprefill", None) is None:
+        scheduler.uniprefill = _Admission()
+    return scheduler.uniprefill
 
 
 def admission_retries(scheduler) -> int:
     """How often admission was retried because drops gave stage memory back."""
-    return getattr(scheduler, "uniprefill_admission_retries", 0)
+    return _admission(scheduler).retries
 
 
-def register() -> None:
-    HookRegistry.register(f"{_ALLOCATOR}.alloc", _alloc, HookType.AROUND)
-    HookRegistry.register(f"{_ALLOCATOR}.free", _free, HookType.AROUND)
-    HookRegistry.register(f"{_ALLOCATOR}.clear", _clear, HookType.AFTER)
-    HookRegistry.register("sglang.srt.mem_cache.common.evict_from_tree_cache",
-                          _evict_for_stages, HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
-                          _check_decode_mem, HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.__init__",
-                          _budget_for_stages, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
-                          _before_admission, HookType.BEFORE)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
-                          _after_admission, HookType.AFTER)
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+HOOKS = (
+    Hook(f"{_ALLOCATOR}.alloc", "around", _alloc,
+         "staged layout: a full slot is handed out only with a slot in every stage pool"),
+    Hook(f"{_ALLOCATOR}.free", "around", _free, "a freed full slot frees its stage slots"),
+    Hook(f"{_ALLOCATOR}.clear", "after", _clear, "flush_cache empties the stage pools too"),
+    Hook("sglang.srt.mem_cache.common.evict_from_tree_cache", "around", _evict_for_stages,
+         "evict from the radix cache until every stage pool has room, not the full pool alone"),
+    Hook("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", "around",
+         _check_decode_mem, "a decode step needs a slot per request in every stage pool"),
+    Hook("sglang.srt.managers.schedule_policy.PrefillAdder.__init__", "after",
+         _budget_for_stages, "admission budgets with the tightest stage pool's room"),
+    Hook(f"{_SCHEDULER}.get_new_batch_prefill", "before", _before_admission,
+         "evict for the stage pools, and retry admission when drops gave memory back"),
+    Hook(f"{_SCHEDULER}.get_new_batch_prefill", "after", _after_admission,
+         "note the stage pools' room once the admitted batch has its slots"),
+)

@@ -10,7 +10,7 @@ UNIPREFILL_CHECK_KV_LENS also `kv_missing`: per later stage, the request's token
 device slot map says that stage lacks).
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 META_KEY = "uniprefill"
 
@@ -62,6 +62,8 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
     return output
 
 
-def register() -> None:
-    HookRegistry.register("sglang.srt.layers.logits_processor.LogitsProcessor.forward",
-                          _logits_forward, HookType.AROUND)
+HOOKS = (
+    Hook("sglang.srt.layers.logits_processor.LogitsProcessor.forward", "around",
+         _logits_forward, "after a drop the last tokens sit at compacted rows; report the "
+         "per-request outcome in meta_info"),
+)

@@ -10,21 +10,21 @@ and not in the scheduler keeps the scheduler's hot loop untouched and counts eac
 whatever its number of chunks and forwards.
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 from uniprefill_sglang.patches.logits import META_KEY
 
-_metrics = None
-
 
 def _get_metrics(tokenizer_manager):
-    global _metrics
-    if _metrics is None:
+    from uniprefill_sglang.state import plugin_state
+
+    state = plugin_state()
+    if state.metrics is None:
         from uniprefill_sglang.metrics import UniPrefillMetrics
 
-        _metrics = UniPrefillMetrics(
+        state.metrics = UniPrefillMetrics(
             {"model_name": tokenizer_manager.server_args.served_model_name})
-    return _metrics
+    return state.metrics
 
 
 def _count_outcome(result, tokenizer_manager, state, *args, **kwargs):
@@ -39,7 +39,7 @@ def _count_outcome(result, tokenizer_manager, state, *args, **kwargs):
     return result
 
 
-def register() -> None:
-    HookRegistry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.collect_metrics",
-        _count_outcome, HookType.AFTER)
+HOOKS = (
+    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.collect_metrics", "after",
+         _count_outcome, "count each finished request's UniPrefill outcome for /metrics"),
+)

@@ -17,68 +17,57 @@
 
 import logging
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 logger = logging.getLogger(__name__)
 
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
-    from uniprefill_sglang.architectures import config_layer_types
     from uniprefill_sglang.architectures import lookup as architecture_entry
-    from uniprefill_sglang.config import (attention_backend_names,
-                                          unsupported_architecture_reason, validate_for_model)
+    from uniprefill_sglang.drop import warm_up
     from uniprefill_sglang.kv_validity import LayerStages
-    from uniprefill_sglang.request_plan import log_fallback_once, set_no_schedule_reason
-    from uniprefill_sglang.runtime import UniPrefillRuntime, set_runtime
+    from uniprefill_sglang.request_plan import log_fallback_once
+    from uniprefill_sglang.runtime import UniPrefillRuntime
+    from uniprefill_sglang.schedule import NO_DROP_LAYERS, process_schedule
+    from uniprefill_sglang.state import plugin_state
 
     server_args = model_runner.server_args
     if not getattr(server_args, "enable_uniprefill", False) or model_runner.is_draft_worker:
         return result
-    config = server_args.uniprefill_config()
     _check_hooks(model_runner)
-    hf_config = model_runner.model_config.hf_config
-    text_config = getattr(hf_config, "text_config", hf_config)
-    num_layers = text_config.num_hidden_layers
-    architectures = getattr(hf_config, "architectures", None) or []
-    layer_types = config_layer_types(text_config)
-    backends = attention_backend_names(server_args)
-    drop_layers = validate_for_model(config, architectures, num_layers, layer_types=layer_types,
-                                     attention_backends=backends)
-    unsupported = unsupported_architecture_reason(architectures, layer_types, backends)
-    entry = architecture_entry(architectures)
-    if (entry is not None and entry.recurrent_state and drop_layers
-            and not server_args.disable_radix_cache):
-        # Start-up turns the radix cache off for such a family; it could not read the model's
-        # config then, and prefix reuse over dropped tokens is not built for a recurrent state.
-        unsupported = (f"{', '.join(architectures)} keeps a recurrent state per cached prefix and "
-                       "the radix cache is on; start with --disable-radix-cache to drop")
-        drop_layers = ()
-    set_no_schedule_reason(unsupported)
-    if unsupported:
+    state = plugin_state()
+    config = state.config(server_args)
+    schedule = process_schedule(server_args, model_runner.model_config,
+                                use_mla=model_runner.use_mla_backend)
+    if schedule.dense_reason not in (None, NO_DROP_LAYERS):
         # Served dense, every request says why in meta_info; say it once here, loudly.
-        logger.warning("UniPrefill: %s; every request runs dense", unsupported)
-    stages = LayerStages(drop_layers, num_layers)
-    runtime = UniPrefillRuntime(config, stages, model_runner.req_to_token_pool,
+        logger.warning("UniPrefill: %s; every request runs dense", schedule.dense_reason)
+    runtime = UniPrefillRuntime(config, schedule.stages, model_runner.req_to_token_pool,
                                 model_runner.token_to_kv_pool, model_runner.device,
                                 _tp_agreement(model_runner),
-                                checkpoint_shape=_checkpoint_shape(model_runner, config),
+                                checkpoint_shape=_checkpoint_shape(model_runner, schedule),
                                 allocator=model_runner.token_to_kv_pool_allocator)
+    runtime.dense_reason = schedule.dense_reason
     runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
-    if drop_layers and not model_integration.install(model_runner.model, runtime, entry):
-        log_fallback_once(f"model {type(model_runner.model).__name__} does not have the decoder "
-                          "layers its architecture's integration expects")
-        runtime.stages = LayerStages((), num_layers)
+    architectures = list(getattr(model_runner.model_config.hf_config, "architectures", None)
+                         or [])
+    if runtime.has_schedule and not model_integration.install(
+            model_runner.model, runtime, architecture_entry(architectures)):
+        runtime.dense_reason = (f"model {type(model_runner.model).__name__} does not have the "
+                                "decoder layers its architecture's integration expects")
+        log_fallback_once(runtime.dense_reason)
+        runtime.stages = LayerStages((), schedule.stages.num_layers)
     if runtime.slots.staged:
         _check_staged_layout(model_runner, runtime)
     if runtime.has_schedule:  # compile the selection kernels now, not in the first request
-        runtime.warm_up(model_integration.drop_attention(model_runner.model,
-                                                         runtime.stages.drop_layers[0]),
-                        model_runner.dtype)
-    if not runtime.has_schedule and not unsupported:
+        warm_up(runtime, model_integration.drop_attention(model_runner.model,
+                                                          runtime.stages.drop_layers[0]),
+                model_runner.dtype)
+    if runtime.dense_reason == NO_DROP_LAYERS:
         log_fallback_once(f"architecture {architectures} without a drop schedule")
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
-    set_runtime(runtime)
+    state.runtime = runtime
     return result
 
 
@@ -123,13 +112,12 @@ def _check_staged_layout(model_runner, runtime):
                            "start with --uniprefill-kv-layout shared")
 
 
-def _checkpoint_shape(model_runner, config):
+def _checkpoint_shape(model_runner, schedule):
     """(hidden_size, query_size, dtype) of the checkpoint when prefix re-selection can use it:
     the radix cache is on and the prefix policy verifies or re-selects (prefix_reuse.py)."""
     from uniprefill_sglang.model_integration import query_size
-    from uniprefill_sglang.prefix_reuse import needs_checkpoint
 
-    if not needs_checkpoint(model_runner.server_args, config):
+    if not schedule.checkpoint:
         return None
     queries = query_size(model_runner.model)
     if queries is None:
@@ -151,12 +139,13 @@ def _tp_agreement(model_runner):
 
 
 def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs):
+    from uniprefill_sglang.request_plan import forward_plan
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
     if runtime is None:
         return original(model_runner, forward_batch, *args, **kwargs)
-    plan = getattr(forward_batch, "uniprefill_plan", None)
+    plan = forward_plan(forward_batch)
 
     def run():
         return original(model_runner, forward_batch, *args, **kwargs)
@@ -175,7 +164,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     # Dense from the prompt's first token: parked rows of earlier chunks and cached prefixes
     # that lack tokens rejoin whole, so no later layer misses a token.
     why = f"{type(error).__name__}: {error}"
-    forward_batch.uniprefill_plan = plan.all_dense(
+    forward_batch.uniprefill.plan = plan.all_dense(
         f"UniPrefill error, re-prefilled dense: {why}", restore=True)
     result, failure = _attempt(runtime, forward_batch, run)
     if failure is None:
@@ -185,7 +174,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     logger.error("UniPrefill: the dense re-run failed too; failing the requests whose earlier "
                  "chunks it could not recompute", exc_info=failure[0])
     runtime.abandon_forward(failure[1], give_up_parking=True)
-    forward_batch.uniprefill_plan = plan.all_dense(f"UniPrefill error, ran dense: {why}")
+    forward_batch.uniprefill.plan = plan.all_dense(f"UniPrefill error, ran dense: {why}")
     return _run_once(runtime, forward_batch, run)
 
 
@@ -232,7 +221,14 @@ def _uniprefill_acted(ctx) -> bool:
     return bool(ctx.sparse) and any(ctx.sparse)
 
 
-def register() -> None:
-    target = "sglang.srt.model_executor.model_runner.ModelRunner"
-    HookRegistry.register(f"{target}.init_attention_backends", _install_runtime, HookType.AFTER)
-    HookRegistry.register(f"{target}._forward_raw", _forward_with_context, HookType.AROUND)
+_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+HOOKS = (
+    Hook(f"{_RUNNER}.init_attention_backends", "after", _install_runtime,
+         "the model, KV pool and backends exist, no graph is captured yet: build the runtime"),
+    Hook(f"{_RUNNER}._forward_raw", "around", _forward_with_context,
+         "open the drop context around every forward; a failure in UniPrefill re-runs dense"),
+    Hook("decoder layers, their drop layers' RadixAttention, residual norm and MLP", "instance",
+         "uniprefill_sglang.model_integration:install",
+         "the drop runs after a drop layer's attention and the later sublayers run on the "
+         "survivors (set by init_attention_backends above)"),
+)

@@ -21,7 +21,7 @@ token content, while under UniPrefill a slot's KV may exist in the early layers 
 """
 
 import torch
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 _TARGET = "sglang.srt.mem_cache.radix_cache.RadixCache"
 
@@ -60,9 +60,11 @@ def _release_private_prefix(result, cache, req, *args, **kwargs):
     return result
 
 
-def register() -> None:
-    HookRegistry.register(f"{_TARGET}.insert", _record_insert, HookType.AFTER)
-    HookRegistry.register(f"{_TARGET}.cache_unfinished_req", _cache_unfinished_req,
-                          HookType.AROUND)
-    HookRegistry.register(f"{_TARGET}.cache_finished_req", _release_private_prefix,
-                          HookType.AFTER)
+HOOKS = (
+    Hook(f"{_TARGET}.insert", "after", _record_insert,
+         "how much of the key the tree already held (read by cache_unfinished_req)"),
+    Hook(f"{_TARGET}.cache_unfinished_req", "around", _cache_unfinished_req,
+         "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps"),
+    Hook(f"{_TARGET}.cache_finished_req", "after", _release_private_prefix,
+         "free the private prefix slots of a request that re-selected over its prefix"),
+)

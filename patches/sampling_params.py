@@ -13,7 +13,7 @@ Only while the server runs with `--enable-uniprefill` (read from the server args
 manager publishes); otherwise the plugin is inert and `uniprefill*` keys are not ours to judge.
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 
 def _server_config():
@@ -26,7 +26,9 @@ def _server_config():
         return None
     if not getattr(server_args, "enable_uniprefill", False):
         return None
-    return server_args.uniprefill_config()
+    from uniprefill_sglang.state import plugin_state
+
+    return plugin_state().config(server_args)
 
 
 def _verify_knobs(result, sampling_params, *args, **kwargs):
@@ -38,6 +40,7 @@ def _verify_knobs(result, sampling_params, *args, **kwargs):
     return result
 
 
-def register() -> None:
-    HookRegistry.register("sglang.srt.sampling.sampling_params.SamplingParams.verify",
-                          _verify_knobs, HookType.AFTER)
+HOOKS = (
+    Hook("sglang.srt.sampling.sampling_params.SamplingParams.verify", "after", _verify_knobs,
+         "a bad per-request knob is a 400 naming it, as a bad temperature is"),
+)

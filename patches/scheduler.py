@@ -17,7 +17,7 @@
   leak that is not one.
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 
 def _add_pool_state(result, scheduler, *args, **kwargs):
@@ -102,14 +102,17 @@ def _count_private_prefixes(result, checker, *args, **kwargs):
     return full + runtime.prefix_reuse.private.held, swa
 
 
-def register() -> None:
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
-                          _add_pool_state, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.process_pending_chunked_abort",
-                          _forget_aborted_chunk, HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.scheduler_components.batch_result_processor."
-                          "SchedulerBatchResultProcessor.process_batch_result_prefill",
-                          _fail_unrecoverable, HookType.BEFORE)
-    HookRegistry.register("sglang.srt.managers.scheduler_components.invariant_checker."
-                          "SchedulerInvariantChecker._get_total_uncached_sizes",
-                          _count_private_prefixes, HookType.AFTER)
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+HOOKS = (
+    Hook(f"{_SCHEDULER}.get_internal_state", "after", _add_pool_state,
+         "report the KV pools' accounting, to check that dropping leaks no slot"),
+    Hook(f"{_SCHEDULER}.process_pending_chunked_abort", "around", _forget_aborted_chunk,
+         "free the parked rows of an aborted chunked request"),
+    Hook("sglang.srt.managers.scheduler_components.batch_result_processor."
+         "SchedulerBatchResultProcessor.process_batch_result_prefill", "before",
+         _fail_unrecoverable, "a request UniPrefill could not recompute fails, never answered "
+         "from incomplete KV"),
+    Hook("sglang.srt.managers.scheduler_components.invariant_checker."
+         "SchedulerInvariantChecker._get_total_uncached_sizes", "after",
+         _count_private_prefixes, "the busy-time KV check counts private prefix slots"),
+)

@@ -4,17 +4,15 @@ Why: SGLang builds its CLI and `Engine(**kwargs)` from the ServerArgs dataclass;
 the `--enable-uniprefill` / `--uniprefill-*` fields and validates them at start-up.
 """
 
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from uniprefill_sglang.patches.hook_table import Hook
 
 
-def register() -> None:
-    from uniprefill_sglang.server_args import UniPrefillServerArgs
-
-    HookRegistry.register("sglang.srt.server_args.ServerArgs", UniPrefillServerArgs,
-                          HookType.REPLACE)
-    # Engine keeps its own class attribute (bound at import), which the module-level
-    # replacement does not reach.
-    from sglang.srt.entrypoints.engine import Engine
-
-    if Engine.server_args_class is not UniPrefillServerArgs:
-        Engine.server_args_class = UniPrefillServerArgs
+HOOKS = (
+    Hook("sglang.srt.server_args.ServerArgs", "replace",
+         "uniprefill_sglang.server_args:UniPrefillServerArgs",
+         "the --enable-uniprefill flags on every launcher and on sglang.Engine"),
+    # Engine binds its class attribute at import, which the replacement above does not reach.
+    Hook("sglang.srt.entrypoints.engine.Engine.server_args_class", "assign",
+         "uniprefill_sglang.server_args:UniPrefillServerArgs",
+         "sglang.Engine(**kwargs) accepts the flags too"),
+)

@@ -15,7 +15,8 @@ from uniprefill_sglang.config import (
     unsupported_architecture_reason,
     validate_for_model,
 )
-from uniprefill_sglang.request_plan import NO_SCHEDULE_REASON, decide, set_no_schedule_reason
+from uniprefill_sglang.request_plan import decide
+from uniprefill_sglang.schedule import NO_DROP_LAYERS
 
 DEFAULTS = dict(top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
                 drop_layers=None, min_prompt_tokens=0)
@@ -124,8 +125,9 @@ def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():
     assert kinds == tuple((["linear_attention"] * 3 + ["full_attention"]) * 12)
     assert config_layer_types(SimpleNamespace(layer_types=list(kinds))) == kinds
     assert config_layer_types(SimpleNamespace()) is None
+    # The paper's schedule: every full-attention layer from 7 on (the last layer excepted).
     assert validate_for_model(default, ["Qwen3NextForCausalLM"], 48,
-                              layer_types=kinds) == (31, 35, 39, 43)
+                              layer_types=kinds) == tuple(range(7, 47, 4))
     with pytest.raises(UniPrefillConfigError, match="not a full-attention layer"):
         validate_for_model(build_config(**{**DEFAULTS, "drop_layers": "30"}),
                            ["Qwen3NextForCausalLM"], 48, layer_types=kinds)
@@ -163,19 +165,14 @@ class _Req:
 
 def test_requests_say_why_a_model_without_schedule_runs_dense():
     cfg = build_config(**DEFAULTS)
-    try:
-        assert decide(_Req(), 4096, cfg, False, None).reason == NO_SCHEDULE_REASON
-        reason = unsupported_architecture_reason(["Gemma2ForCausalLM"], GEMMA3_LAYER_TYPES)
-        set_no_schedule_reason(reason)
-        d = decide(_Req(), 4096, cfg, False, None)
-        assert not d.enabled and d.reason == reason
-        # Switching it off per request still says so.
-        assert decide(_Req({"uniprefill": False}), 4096, cfg, False, None).reason == (
-            "disabled by the request")
-        set_no_schedule_reason(None)
-        assert decide(_Req(), 4096, cfg, False, None).reason == NO_SCHEDULE_REASON
-    finally:
-        set_no_schedule_reason(None)
+    assert decide(_Req(), 4096, cfg, NO_DROP_LAYERS, None).reason == NO_DROP_LAYERS
+    reason = unsupported_architecture_reason(["Gemma2ForCausalLM"], GEMMA3_LAYER_TYPES)
+    d = decide(_Req(), 4096, cfg, reason, None)
+    assert not d.enabled and d.reason == reason
+    # Switching it off per request still says so.
+    assert decide(_Req({"uniprefill": False}), 4096, cfg, reason, None).reason == (
+        "disabled by the request")
+    assert decide(_Req(), 4096, cfg, None, None).enabled
 
 
 def _prepare(argv):

@@ -197,13 +197,8 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-_current: Optional[DropContext] = None
-
-
 def current() -> Optional[DropContext]:
-    return _current
+    """The drop context of the forward now running in this process (None between forwards)."""
+    from uniprefill_sglang.state import plugin_state
 
-
-def set_current(ctx: Optional[DropContext]) -> None:
-    global _current
-    _current = ctx
+    return plugin_state().forward

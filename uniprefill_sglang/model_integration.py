@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from uniprefill_sglang.context import current
+from uniprefill_sglang.drop import drop
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
         out = original(q, k, v, forward_batch, *args, **kwargs)
         ctx = current()
         if ctx is not None and ctx.acts:
-            runtime.drop(ctx, attn, q_rows)
+            drop(runtime, ctx, attn, q_rows)
         return out
 
     attn.forward = forward

@@ -103,6 +103,19 @@ class ParkingLot:
             self.refused[rid] = why
         return parked
 
+    def rejoining_chunks(self, ctx) -> Dict[int, "ParkedRows"]:
+        """At the first drop: per request of the forward that does not park now, the parked rows
+        of its earlier chunks, which rejoin it here. Their parking ends with this forward."""
+        out = {}
+        for b, d in enumerate(ctx.plan.decisions):
+            parked = None if d.park else self.rows.get(d.rid)
+            if parked is None:
+                continue
+            ctx.finished_parking.append(d.rid)
+            if parked.count:
+                out[b] = parked
+        return out
+
     def reserve(self, rid: str, prompt_len: int, prefix_len: int) -> bool:
         """May this non-final chunk park? The first chunk of a request decides for all of them:
         the rest of the prompt must fit `--uniprefill-max-parked-tokens`."""

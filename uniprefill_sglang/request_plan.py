@@ -18,28 +18,19 @@ from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knob
 
 logger = logging.getLogger(__name__)
 
-_logged_reasons: set = set()
 # Prefix policies under which a request generating nothing runs dense, and under which a dense
 # request gets back what a cached prefix dropped (prefix_reuse.py).
 CACHES_DENSE = tuple(p for p in PREFIX_POLICIES if p != "reuse-sparse")
 RESTORES_DENSE = ("verify", "reselect")
 
-# Why requests run dense when the runtime has no drop schedule: "no drop layers" (the user said
-# `--uniprefill-drop-layers none`) unless the model runner found an unsupported architecture.
-NO_SCHEDULE_REASON = "no drop layers"
-_no_schedule_reason = NO_SCHEDULE_REASON
-
-
-def set_no_schedule_reason(reason: Optional[str]) -> None:
-    """Set (None: reset) the reason reported for every request of a model without a schedule."""
-    global _no_schedule_reason
-    _no_schedule_reason = reason or NO_SCHEDULE_REASON
-
 
 def log_fallback_once(reason: str) -> None:
     """Log each kind of dense fallback once per process."""
-    if reason not in _logged_reasons:
-        _logged_reasons.add(reason)
+    from uniprefill_sglang.state import plugin_state
+
+    logged = plugin_state().logged
+    if reason not in logged:
+        logged.add(reason)
         logger.info("UniPrefill: running dense (%s); logged once per kind", reason)
 
 
@@ -91,6 +82,20 @@ class BatchPlan:
         return any(d.enabled or d.park or d.restore_prefix for d in self.decisions)
 
 
+@dataclasses.dataclass
+class ForwardInputs:
+    """What the ForwardBatch hook attaches as `forward_batch.uniprefill`: the batch's req-pool
+    rows on the host (decode and every drop read them without a device sync) and, for an
+    extend, its plan."""
+    req_rows: List[int]
+    plan: Optional[BatchPlan] = None
+
+
+def forward_plan(fb) -> Optional[BatchPlan]:
+    inputs = getattr(fb, "uniprefill", None)
+    return inputs.plan if inputs is not None else None
+
+
 def is_prefill_mode(mode) -> bool:
     """Plain prefill (EXTEND) or prefill mixed with 1-token decodes (MIXED); not spec-verify etc."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -104,8 +109,10 @@ def _custom_params(req) -> dict:
     return params if isinstance(params, dict) else {}
 
 
-def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
+def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional[str],
            batch_reason: Optional[str], cached_len: int = 0) -> RequestDecision:
+    """One request's decision for this step. `no_schedule`: why nothing drops in this process
+    (None: the model has drop layers)."""
     top_p, keep_ratio = config.top_p, config.keep_ratio
     policy = config.prefix_policy
 
@@ -122,10 +129,10 @@ def decide(req, extend_len: int, config: UniPrefillConfig, has_schedule: bool,
         return dense(f"invalid per-request parameter: {e}")
     top_p, keep_ratio, policy = knobs.top_p, knobs.keep_ratio, knobs.prefix_policy
     if not knobs.enabled:
-        restore = cached_len > 0 and policy in RESTORES_DENSE and has_schedule
+        restore = cached_len > 0 and policy in RESTORES_DENSE and no_schedule is None
         return dataclasses.replace(dense("disabled by the request"), restore_prefix=restore)
-    if not has_schedule:
-        return dense(_no_schedule_reason)
+    if no_schedule is not None:
+        return dense(no_schedule)
     if batch_reason is not None:
         return dense(batch_reason)
     if getattr(req, "multimodal_inputs", None) is not None:
@@ -174,7 +181,7 @@ def _cached_len(req, radix: bool) -> int:
     return int(getattr(req, "cache_protected_len", 0) or 0) if radix else 0
 
 
-def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan:
+def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str]) -> BatchPlan:
     """Decisions for every request of an extend/mixed ScheduleBatch, in batch order."""
     reqs = batch.reqs
     extend_lens = list(batch.extend_lens or [])
@@ -189,7 +196,7 @@ def plan_batch(batch, config: UniPrefillConfig, has_schedule: bool) -> BatchPlan
         if id(req) in decoding or i >= len(extend_lens):
             decisions.append(RequestDecision(False, config.top_p, (), "decode"))
             continue
-        d = decide(req, extend_lens[i], config, has_schedule, batch_reason,
+        d = decide(req, extend_lens[i], config, no_schedule, batch_reason,
                    _cached_len(req, radix))
         if d.reason is not None and not d.park:
             log_fallback_once(d.reason)

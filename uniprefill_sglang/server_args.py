@@ -15,7 +15,6 @@ from typing import Optional
 from sglang.srt.arg_groups.arg_utils import A, Arg
 from sglang.srt.server_args import ServerArgs
 
-from uniprefill_sglang.architectures import config_layer_types
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
@@ -33,8 +32,8 @@ from uniprefill_sglang.config import (
     build_config,
     find_shipped_profile,
     load_profile,
-    validate_for_model,
 )
+from uniprefill_sglang.schedule import ModelFacts, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -165,13 +164,14 @@ class UniPrefillServerArgs(ServerArgs):
             # Refuse unservable modes given on the command line before SGLang resolves them ...
             self._check_uniprefill_modes()
             # (SGLang's resolution makes the args read-only.)
-            self._resolve_uniprefill_profile()
+            facts = ModelFacts.read(self)
+            self._resolve_uniprefill_profile(facts)
         super().__post_init__()
         if self.enable_uniprefill:
             # ... and again for what SGLang's resolution chose (a page size, a backend).
             self._check_uniprefill_modes()
             self._check_uniprefill_backend()
-            self._check_uniprefill_model()
+            self._check_uniprefill_model(facts)
 
     def uniprefill_config(self) -> UniPrefillConfig:
         profile = None
@@ -253,42 +253,23 @@ class UniPrefillServerArgs(ServerArgs):
                     f"supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)}"
                 )
 
-    def _check_uniprefill_model(self):
-        """Check the drop layers against the model's depth, when its config can be read."""
-        try:
-            from transformers import AutoConfig
+    def _check_uniprefill_model(self, facts: Optional[ModelFacts]):
+        """Check the drop layers against the model, when its config could be read (the model
+        runner resolves the schedule again once the model is built)."""
+        if facts is not None:
+            resolve(self.uniprefill_config(),
+                    dataclasses.replace(facts, attention_backends=frozenset(
+                        attention_backend_names(self))), self)
 
-            hf_config = AutoConfig.from_pretrained(
-                self.model_path, trust_remote_code=self.trust_remote_code
-            )
-        except Exception as e:  # the model runner checks again once the model is built
-            logger.info("UniPrefill: model config not readable at start-up (%s)", e)
-            return
-        text_config = getattr(hf_config, "text_config", hf_config)
-        validate_for_model(
-            self.uniprefill_config(),
-            getattr(hf_config, "architectures", None) or [],
-            text_config.num_hidden_layers,
-            layer_types=config_layer_types(text_config),
-            attention_backends=attention_backend_names(self),
-        )
-
-    def _resolve_uniprefill_profile(self):
+    def _resolve_uniprefill_profile(self, facts: Optional[ModelFacts]):
         """Pick the shipped profile for this model when none was given (the scheduler processes
         receive these args and load the same file), and say which profile is in use."""
-        no_profile = (self.uniprefill_profile or "").strip().lower() == "none"
-        try:
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(
-                self.model_path, trust_remote_code=self.trust_remote_code)
-        except Exception as e:  # an explicit profile still applies, unchecked
-            logger.info("UniPrefill: model config not readable for the profile lookup (%s)", e)
+        if facts is None:  # an explicit profile still applies, unchecked
             return
-        text_config = getattr(hf_config, "text_config", hf_config)
-        architectures = getattr(hf_config, "architectures", None) or []
+        no_profile = (self.uniprefill_profile or "").strip().lower() == "none"
+        architectures = list(facts.architectures)
         self._apply_architecture_prefix_cache(architectures)
-        num_layers, hidden_size = text_config.num_hidden_layers, text_config.hidden_size
+        num_layers, hidden_size = facts.num_layers, facts.hidden_size
         if self.uniprefill_profile is None:
             shipped = find_shipped_profile(architectures, num_layers, hidden_size)
             if shipped is not None:
@@ -306,7 +287,7 @@ class UniPrefillServerArgs(ServerArgs):
         config = self.uniprefill_config()
         logger.info("UniPrefill profile %s: drop layers %s, %s, block size %d", profile.path,
                     list(config.resolved_drop_layers(num_layers, architectures,
-                                                     config_layer_types(text_config))),
+                                                     facts.layer_types)),
                     f"keep ratio {config.keep_ratio}" if config.keep_ratio else f"top-p {config.top_p}",
                     config.block_size)
 

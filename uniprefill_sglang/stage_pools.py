@@ -22,6 +22,7 @@ a fraction of the full pool (the expected keep profile, `--uniprefill-stage-kv-f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -87,18 +88,15 @@ class StageLayout:
         return [min(full_size, max(floor, math.ceil(full_size * f))) for f in self.fractions]
 
 
-# The layout the KV-pool hooks planned for this process (patches/kv_pool.py): the cell-size
-# hook sets it, the buffer hook sizes the layers' buffers by it.
-_planned: Optional[StageLayout] = None
-
-
-def plan_layout(layout: Optional[StageLayout]) -> None:
-    global _planned
-    _planned = layout
-
-
-def planned_layout() -> Optional[StageLayout]:
-    return _planned
+@dataclasses.dataclass
+class StagedBuffers:
+    """A KV pool built with the staged layout (patches/kv_pool.py), as its `uniprefill`
+    attribute: the layout, the stage pools' sizes (stages 1..D), each layer's stage, and the
+    full-to-stage slot maps its writes go through (set once `StagePools` is wired)."""
+    layout: StageLayout
+    sizes: List[int]
+    stage_of_layer: List[int]
+    maps: Optional[list] = None
 
 
 class StagePools:

@@ -1,0 +1,244 @@
+"""The drop: at a drop layer, right after its attention, each request keeps its top blocks.
+
+    candidates  = the request's rows in this step, after any rows that rejoin it here
+                  (the parked rows of its earlier chunks, a cached prefix it selects over anew)
+    survivors   = selection.select_survivors(scores of the candidates by the prompt's last
+                  queries, top-p blocks or a fixed keep ratio)
+    shrink        the drop context to the survivors (the layer hooks gather the hidden states)
+    mark          the dropped tokens' KV as held up to this layer only (kv_validity.SlotStages)
+
+At the first drop a non-final chunk of a chunked prompt parks instead (parking.py): its rows
+stop here and rejoin at the final chunk, which alone holds the prompt's true last queries. A
+dense request whose earlier rows rejoin keeps every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import torch
+
+from uniprefill_sglang.context import DropContext, UniPrefillError
+from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
+from uniprefill_sglang.selection import DropCandidates, prefix_coverage, select_survivors
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one drop layer does to the batch's requests."""
+    cands: DropCandidates
+    selecting: List[tuple] = dataclasses.field(default_factory=list)  # (b, rows, joined)
+    whole: List[tuple] = dataclasses.field(default_factory=list)  # (b, rows, joined), all kept
+    parking: List[tuple] = dataclasses.field(default_factory=list)  # (b, rows)
+    joining: JoiningRows = dataclasses.field(default_factory=JoiningRows)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.selecting or self.whole or self.parking)
+
+
+def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
+    """Drop at `layer` for every request of the forward (`rt`: the UniPrefillRuntime)."""
+    drop_index = rt.stages.drop_index[layer.layer_id]
+    _raise_test_fault(rt, ctx, drop_index)
+    q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
+    total = ctx.positions.shape[0]
+    step = _plan_step(rt, ctx, layer, q, drop_index)
+    if rt.test_fault == "rejoin" and step.joining.count:
+        raise UniPrefillError("test fault as parked rows rejoin (UNIPREFILL_TEST_FAULT=rejoin)")
+    if step.idle:
+        ctx.kept.append(list(ctx.lens))
+        return
+    rows_per_request = list(ctx.lens)
+    keep = torch.ones(total + step.joining.count, dtype=torch.bool, device=q.device)
+    keep[total:] = False
+    stage = rt.stages.stage(layer.layer_id)
+    for b, rows, joined in step.whole:
+        keep.index_fill_(0, rows, True)
+        ctx.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
+        ctx.rejoined_whole[b] = joined
+    if step.selecting:
+        _select(rt, ctx, layer, step, keep, total, stage)
+    for b, rows in step.parking:
+        _park(rt, ctx, b, rows, q, keep, stage)
+    ctx.kept.append(list(ctx.lens))
+    if step.joining.count:  # surviving rejoined rows get the later layers' KV in this forward
+        joined, joined_kept = torch.cat(step.joining.slots), keep[sum(rows_per_request):]
+        rt.slots.mark_written(joined[joined_kept])
+        # The others stay dropped at the first drop, and give back the later stages' slots
+        # they kept while parked.
+        rt.slots.mark_dropped(joined[~joined_kept], 0)
+    ctx.shrink(keep, step.joining, rows_per_request, park_sink=rt.parking.append)
+    if rt.report_kept_positions:
+        ctx.kept_digest.append(ctx.position_digest())
+    if rt.check_kv_lens:
+        _check_extend_lens(rt, ctx, stage + 1)
+
+
+def _raise_test_fault(rt, ctx, drop_index) -> None:
+    decisions = ctx.plan.decisions
+    if (rt.test_fault == "drop" and any(d.enabled or d.park for d in decisions)) or (
+            rt.test_fault == "last_drop" and drop_index == rt.stages.num_drops - 1
+            and any(d.enabled for d in decisions)):
+        raise UniPrefillError(f"test fault at a drop layer (UNIPREFILL_TEST_FAULT="
+                              f"{rt.test_fault})")
+
+
+def rejoining_rows(rt, ctx: DropContext, layer, q) -> Dict[int, ParkedRows]:
+    """At the first drop: per request, the rows that rejoin it here, from both providers: a
+    cached prefix it selects over anew (prefix_reuse.py) and, for a chunk that does not park,
+    the parked rows of its earlier chunks (parking.py), in position order."""
+    prefixes = rt.prefix_reuse.rejoining_prefixes(ctx, layer, q)
+    chunks = rt.parking.rejoining_chunks(ctx)
+    out = {}
+    for b in sorted(set(prefixes) | set(chunks)):
+        out[b] = merge_parked(prefixes[b], chunks.get(b)) if b in prefixes else chunks[b]
+    return out
+
+
+def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
+    """Per request: park it, skip it, keep it whole, or gather its queries and keys."""
+    first_drop = drop_index == 0
+    stage = rt.stages.stage(layer.layer_id)
+    device = q.device
+    req_rows = rt.host_rows(ctx.forward_batch)
+    req_to_token = rt.req_to_token_pool.req_to_token
+    total = ctx.positions.shape[0]
+    step = _Step(DropCandidates(None, None, [], None, None, [], [], [], []))
+    queries, query_pos, keys, key_pos = [], [], [], []
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    joins = rejoining_rows(rt, ctx, layer, q) if first_drop else {}
+    for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
+        n = ctx.lens[b]
+        own = torch.arange(start, start + n, device=device)
+        if first_drop and d.park and n > 0 and rt.parking.reserve(d.rid, d.prompt_len,
+                                                                  ctx.fixed_lens[b]):
+            step.parking.append((b, own))
+            continue
+        if first_drop and d.park and d.rid in rt.parking.refused:
+            ctx.note(b, f"non-final chunk, not parked ({rt.parking.refused[d.rid]}): runs dense")
+        joined_rows = joins.get(b)
+        if joined_rows is None and d.enabled and n < rt.config.min_tokens_to_drop:
+            ctx.note(b, "too few new tokens to score")
+            continue
+        if not d.enabled and joined_rows is None:
+            continue
+        joined = joined_rows.count if joined_rows is not None else 0
+        rows = own
+        if joined_rows is not None:  # rejoined rows are this request's rows now
+            rows = torch.cat([step.joining.add(b, joined_rows, req_to_token[req_rows[b]], total),
+                              own])
+            ctx.fixed_lens[b] = joined_rows.start_pos
+        if not d.enabled:  # every row kept: nothing to score
+            step.whole.append((b, rows, joined))
+            continue
+        own_q, own_q_pos = q[start:start + n], ctx.positions[start:start + n]
+        num_q = min(rt.config.last_queries, joined + n)
+        if num_q > n:  # a final chunk shorter than the query window borrows queries
+            own_q = torch.cat([joined_rows.last_q.to(own_q.dtype), own_q])
+            own_q_pos = torch.cat([joined_rows.last_q_pos, own_q_pos])
+        queries.append(own_q[-num_q:]), query_pos.append(own_q_pos[-num_q:])
+        fixed_len = ctx.fixed_lens[b]
+        prefix_slots = prefix_pos = empty
+        if fixed_len:  # its count is known on the host: stage 0 holds every token
+            count = fixed_len if stage == 0 else ctx.prefix_valid[b][stage]
+            prefix_slots, prefix_pos = rt.slots.valid_slots(
+                req_to_token[req_rows[b], :fixed_len], stage, count)
+        # Keys: the valid prefix (scored, never dropped), rejoined rows, this step's rows.
+        keys.append(prefix_slots.to(torch.int64))
+        key_pos.append(prefix_pos.to(torch.int64))
+        if joined:
+            keys.append(step.joining.slots[-1])
+            key_pos.append(step.joining.positions[-1])
+        keys.append(ctx.out_cache_loc[start:start + n].to(torch.int64))
+        key_pos.append(ctx.positions[start:start + n].to(torch.int64))
+        c = step.cands
+        c.query_counts.append(num_q)
+        c.key_counts.append(prefix_slots.numel() + joined + n)
+        c.prefix_counts.append(prefix_slots.numel())
+        c.top_p.append(d.top_p)
+        c.keep_ratio.append(d.ratio_at(drop_index))
+        step.selecting.append((b, rows, joined))
+    if step.selecting:
+        c = step.cands
+        c.queries, c.query_pos = torch.cat(queries), torch.cat(query_pos)
+        c.key_slots, c.key_pos = torch.cat(keys), torch.cat(key_pos)
+    return step
+
+
+def _select(rt, ctx, layer, step: _Step, keep, total, stage) -> None:
+    reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
+    cands = step.cands
+    cands.key_slots = rt.slots.pool_slots(cands.key_slots, stage)
+    keep_idx, counts = select_survivors(
+        cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
+        reduce)
+    if rt.check_tp:
+        rt.tp_agreement.verify(keep_idx, counts)
+    candidate_rows = torch.cat([rows for _, rows, _ in step.selecting])
+    keep.index_fill_(0, candidate_rows, False)
+    keep.index_fill_(0, candidate_rows[keep_idx], True)
+    # Dropped rows keep KV for the layers up to this one only; rejoined rows that survive
+    # get the later layers' KV from the rest of this forward.
+    rt.slots.mark_dropped(ctx.out_cache_loc[~keep[:total]], stage)
+    for (b, _, joined), count in zip(step.selecting, counts.tolist()):
+        if joined:
+            ctx.kept[0][b] = joined + ctx.lens[b]
+        if count < joined + ctx.lens[b]:
+            ctx.sparse[b] = True
+        ctx.lens[b] = int(count)
+
+
+def _park(rt, ctx, b, rows, q, keep, stage) -> None:
+    """All rows of a non-final chunk stop here and wait for the final chunk; the last one goes
+    on alone so the forward still yields the logits SGLang expects (discarded)."""
+    rid = ctx.plan.decisions[b].rid
+    last = rows[-rt.config.last_queries:]
+    ctx.to_park.append((rid, rows))
+    ctx.parked_now.append(b)
+    keep.index_fill_(0, rows[:-1], False)
+    rt.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
+    ctx.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
+    rt.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
+    ctx.sparse[b] = True
+    ctx.lens[b] = 1
+
+
+def _check_extend_lens(rt, ctx: DropContext, stage: int) -> None:
+    fb = ctx.forward_batch  # debug: the views' lengths against the device
+    rt.stage_kv.check_extend(
+        fb.req_pool_indices, fb.seq_lens,
+        [p + n for p, n in zip(rt.prefix_lens(fb), fb.extend_seq_lens_cpu)],
+        [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)], stage)
+
+
+def warm_up(rt, attn, dtype) -> None:
+    """Run the scoring and selection kernels once (top-p and keep ratio, and verify's coverage)
+    on the first drop layer's key buffer, so that the first request that drops does not wait
+    for their compilation. Reads the buffer, writes nothing."""
+    from uniprefill_sglang import kernels
+
+    if attn is None:
+        return
+    buffer = rt.token_to_kv_pool.get_key_buffer(attn.layer_id)
+    if not kernels.use_triton(buffer.device):  # the torch references compile nothing
+        return
+    # Long enough that the scoring kernel splits its keys, as for real prompts: Triton
+    # compiles a kernel anew for an integer argument equal to 1 (here, one split).
+    n = min(4096, buffer.shape[0] - 1)
+    q = min(rt.config.last_queries, n)
+    device = buffer.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    queries = torch.randn(q, attn.tp_q_head_num, attn.qk_head_dim, generator=gen,
+                          device=device).to(dtype)
+    positions = torch.arange(n, device=device)
+    for top_p, ratio in ((rt.config.top_p, 0.0), (1.0, 0.5)):
+        cands = DropCandidates(queries, positions[-q:], [q], positions + 1, positions, [n],
+                               [0], [top_p], [ratio])
+        select_survivors(cands, buffer, attn.scaling, rt.rule)
+        if rt.checkpoint is not None:
+            prefix_coverage(cands, buffer, attn.scaling, rt.rule,
+                            torch.ones(n, dtype=torch.bool, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
