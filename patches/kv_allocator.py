@@ -1,6 +1,6 @@
 """Hooks that keep the staged KV layout's stage pools (uniprefill_sglang/stage_pools.py) in step
 with SGLang's allocator and scheduler. Each is inert unless the allocator carries stage pools
-(`allocator.uniprefill_stage_pools`, set when the runtime is built on a staged pool).
+(`allocator.uniprefill`, set when the runtime is built on a staged pool).
 
 * `sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc` (AROUND): full slots are
   handed out only when every stage pool can give each of them a slot too (a new token may
@@ -34,7 +34,7 @@ _ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 
 
 def _pools(allocator):
-    return getattr(allocator, "uniprefill_stage_pools", None)
+    return getattr(allocator, "uniprefill", None)
 
 
 def _alloc(original, allocator, need_size, *args, **kwargs):

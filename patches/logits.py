@@ -44,17 +44,9 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
         missing = runtime.missing_kv(ctx.forward_batch)
     info = []
     for b, decision in enumerate(ctx.plan.decisions):
-        entry = {
-            "enabled": decision.enabled,
-            "reason": ctx.reason(b),
-            "kept_tokens": [stage_lens[b] for stage_lens in ctx.kept],
-        }
-        if b in ctx.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
-            entry["prefix"] = ctx.prefix_outcomes[b].as_dict()
+        entry = ctx.report.entry(b, decision)
         if missing is not None:  # UNIPREFILL_CHECK_KV_LENS=1: the device slot map
             entry["kv_missing"] = missing[b]
-        if ctx.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
-            entry["kept_digest"] = [stage[b] for stage in ctx.kept_digest]
         info.append(entry)
     if output.customized_info is None:
         output.customized_info = {}

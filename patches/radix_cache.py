@@ -27,7 +27,8 @@ _TARGET = "sglang.srt.mem_cache.radix_cache.RadixCache"
 
 
 def _record_insert(result, cache, *args, **kwargs):
-    cache.uniprefill_last_insert_prefix_len = getattr(result, "prefix_len", None)
+    # The cache's `uniprefill` attribute: how much of the last inserted key it already held.
+    cache.uniprefill = getattr(result, "prefix_len", None)
     return result
 
 
@@ -43,9 +44,9 @@ def _cache_unfinished_req(original, cache, req, chunked=False, **kwargs):
         ].to(dtype=torch.int64, copy=True)
         return None
     protected = req.cache_protected_len
-    cache.uniprefill_last_insert_prefix_len = None
+    cache.uniprefill = None
     result = original(cache, req, chunked=chunked, **kwargs)
-    shared = cache.uniprefill_last_insert_prefix_len
+    shared = cache.uniprefill
     if shared is None or shared > protected:  # this request now reads other requests' slots
         runtime.kv_gaps.invalidate(req.req_pool_idx)
     return result

@@ -4,7 +4,10 @@ One `DropContext` lives for one `ModelRunner` forward. It starts with every toke
 and shrinks at each drop layer: `positions` and `out_cache_loc` hold the surviving rows in batch
 order, `lens` the surviving rows per request, and `pending_rows` the rows that the hidden states
 and residual still have to be gathered to (applied by the layer hooks right after the drop
-layer's attention).
+layer's attention). Beside the survivors it carries the per-stage KV the attention adapters read
+(`sparse`, `prefix_valid`, `kv_gaps`, their `views`), the parking step of chunked prefill
+(`parking`, parking.ParkingStep) and what the forward reports per request (`report`,
+`DropReport`, read by patches/logits.py into meta_info).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from uniprefill_sglang.parking import ParkingStep
 from uniprefill_sglang.request_plan import BatchPlan
 
 
@@ -47,35 +51,17 @@ class DropContext:
     pending_rows: Optional[torch.Tensor] = None
     rows_before_pending: int = 0
     compacted: bool = False
-    # kept[k][b]: rows of request b entering stage k (kept[0] = the tokens scored at the first
-    # drop: the step's new tokens plus any parked by earlier chunks).
-    kept: List[List[int]] = dataclasses.field(default_factory=list)
-    # kept_digest[k][b]: fingerprint of request b's positions after drop k (debug, runtime.py).
-    kept_digest: List[List[int]] = dataclasses.field(default_factory=list)
-    # Chunked prefill (runtime.py): rows parked from earlier chunks joining at the first drop
-    # (gathered after the current rows), and rows of this step to park.
+    # Rows parked by earlier chunks joining at the first drop (gathered after the current
+    # rows), and dense requests whose earlier rows rejoined whole: b -> rows ahead of its own
+    # (the logits see its own rows only, as a dense step's would: patches/logits.py).
     extra_hidden: Optional[torch.Tensor] = None
     extra_residual: Optional[torch.Tensor] = None
-    to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
-    park_sink: Optional[Callable] = None  # (rid, hidden_rows, residual_rows) -> None
-    # Slots of each parking chunk's last row, which goes on past the first drop (for logits).
-    ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking this step
-    finished_parking: List[str] = dataclasses.field(default_factory=list)  # rids rejoined now
-    # Per request id, its parked rows and their count when the forward began (a failed forward
-    # is rolled back to them), and whether parked rows rejoin in this forward even though no
-    # request drops.
-    parked_before: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    rejoins: bool = False
-    # Dense requests whose earlier rows rejoined whole: b -> rows ahead of its own (the logits
-    # see its own rows only, as a dense step's would: patches/logits.py).
     rejoined_whole: Dict[int, int] = dataclasses.field(default_factory=dict)
-    # Per request: why it ran dense or dropped less than its decision said (set by the drop).
-    notes: Dict[int, str] = dataclasses.field(default_factory=dict)
-    # Per request with a cached prefix: what it did with it (prefix_reuse.PrefixOutcome), and
-    # the requests whose prefix moved to private slots: b -> (req-pool row, shared slots).
-    prefix_outcomes: Dict[int, object] = dataclasses.field(default_factory=dict)
+    # Per request with a cached prefix whose slots moved to private ones: b -> (req-pool row,
+    # shared slots) (prefix_reuse.py; a failed forward points it back).
     moved_prefixes: Dict[int, tuple] = dataclasses.field(default_factory=dict)
+    parking: ParkingStep = dataclasses.field(default_factory=ParkingStep)
+    report: "DropReport" = dataclasses.field(default_factory=lambda: DropReport())
     # Attention adapters' per-forward views (planned once, run by every layer of a stage).
     views: Dict[str, dict] = dataclasses.field(default_factory=dict)
 
@@ -83,18 +69,14 @@ class DropContext:
     def acts(self) -> bool:
         """Do the drop layers have work in this forward (drop, park, restore or rejoin rows)?"""
         return self.is_extend and self.plan is not None and (self.plan.any_enabled
-                                                              or self.rejoins)
+                                                              or self.parking.rejoins)
 
     def note(self, b: int, reason: str) -> None:
+        """Why request b ran dense or dropped less than its decision said."""
+        notes = self.report.notes
         decided = self.plan.decisions[b].reason if self.plan is not None else None
-        earlier = self.notes.get(b, decided)
-        self.notes[b] = reason if earlier is None else f"{earlier}; {reason}"
-
-    def reason(self, b: int) -> Optional[str]:
-        """What meta_info reports for request b: its decision's reason or the drop's note."""
-        if b in self.notes:
-            return self.notes[b]
-        return self.plan.decisions[b].reason if self.plan is not None else None
+        earlier = notes.get(b, decided)
+        notes[b] = reason if earlier is None else f"{earlier}; {reason}"
 
     @property
     def lens_tensor(self) -> torch.Tensor:
@@ -130,7 +112,7 @@ class DropContext:
         hidden states follow at the next layer hook (`apply_pending`)."""
         total = sum(rows_per_request)
         rows = torch.nonzero(keep, as_tuple=True)[0]
-        if rows.numel() == total and not joining.count and not self.to_park:
+        if rows.numel() == total and not joining.count and not self.parking.to_park:
             return
         positions = torch.cat([self.positions.to(torch.int64)] + joining.positions)
         slots = torch.cat([self.out_cache_loc.to(torch.int64)] + joining.slots)
@@ -148,7 +130,7 @@ class DropContext:
             rows = self.pending_rows.index_select(0, rows)
         else:
             self.rows_before_pending = total
-        self.park_sink = park_sink
+        self.parking.sink = park_sink
         self.pending_rows = rows
         self.compacted = True
 
@@ -161,10 +143,10 @@ class DropContext:
         rows = self.pending_rows
         if rows is None or hidden_states.shape[0] != self.rows_before_pending:
             return hidden_states, residual
-        for rid, park_rows in self.to_park:
-            self.park_sink(rid, hidden_states.index_select(0, park_rows),
-                           residual.index_select(0, park_rows))
-        self.to_park = []
+        for rid, park_rows in self.parking.to_park:
+            self.parking.sink(rid, hidden_states.index_select(0, park_rows),
+                              residual.index_select(0, park_rows))
+        self.parking.to_park = []
         if self.extra_hidden is not None:
             hidden_states = torch.cat([hidden_states, self.extra_hidden])
             residual = torch.cat([residual, self.extra_residual])
@@ -183,6 +165,29 @@ class DropContext:
         digest = torch.zeros(len(self.lens), dtype=torch.int64, device=pos.device)
         digest.index_add_(0, seg, pos * pos % 1000003 + pos)
         return digest.tolist()
+
+
+@dataclasses.dataclass
+class DropReport:
+    """What a forward reports per request in `meta_info["uniprefill"]` (patches/logits.py)."""
+    # kept[k][b]: rows of request b entering stage k (kept[0] = the tokens scored at the first
+    # drop: the step's new tokens plus any rejoining).
+    kept: List[List[int]] = dataclasses.field(default_factory=list)
+    # kept_digest[k][b]: fingerprint of request b's positions after drop k (debug).
+    kept_digest: List[List[int]] = dataclasses.field(default_factory=list)
+    # Per request: why it ran dense or dropped less than its decision said (DropContext.note).
+    notes: Dict[int, str] = dataclasses.field(default_factory=dict)
+    # Per request with a cached prefix: what it did with it (prefix_reuse.PrefixOutcome).
+    prefix_outcomes: Dict[int, object] = dataclasses.field(default_factory=dict)
+
+    def entry(self, b: int, decision) -> dict:
+        entry = {"enabled": decision.enabled, "reason": self.notes.get(b, decision.reason),
+                 "kept_tokens": [stage_lens[b] for stage_lens in self.kept]}
+        if b in self.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
+            entry["prefix"] = self.prefix_outcomes[b].as_dict()
+        if self.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
+            entry["kept_digest"] = [stage[b] for stage in self.kept_digest]
+        return entry
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:

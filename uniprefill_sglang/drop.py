@@ -48,7 +48,7 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
     if rt.test_fault == "rejoin" and step.joining.count:
         raise UniPrefillError("test fault as parked rows rejoin (UNIPREFILL_TEST_FAULT=rejoin)")
     if step.idle:
-        ctx.kept.append(list(ctx.lens))
+        ctx.report.kept.append(list(ctx.lens))
         return
     rows_per_request = list(ctx.lens)
     keep = torch.ones(total + step.joining.count, dtype=torch.bool, device=q.device)
@@ -56,13 +56,13 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
     stage = rt.stages.stage(layer.layer_id)
     for b, rows, joined in step.whole:
         keep.index_fill_(0, rows, True)
-        ctx.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
+        ctx.report.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
         ctx.rejoined_whole[b] = joined
     if step.selecting:
         _select(rt, ctx, layer, step, keep, total, stage)
     for b, rows in step.parking:
         _park(rt, ctx, b, rows, q, keep, stage)
-    ctx.kept.append(list(ctx.lens))
+    ctx.report.kept.append(list(ctx.lens))
     if step.joining.count:  # surviving rejoined rows get the later layers' KV in this forward
         joined, joined_kept = torch.cat(step.joining.slots), keep[sum(rows_per_request):]
         rt.slots.mark_written(joined[joined_kept])
@@ -71,7 +71,7 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         rt.slots.mark_dropped(joined[~joined_kept], 0)
     ctx.shrink(keep, step.joining, rows_per_request, park_sink=rt.parking.append)
     if rt.report_kept_positions:
-        ctx.kept_digest.append(ctx.position_digest())
+        ctx.report.kept_digest.append(ctx.position_digest())
     if rt.check_kv_lens:
         _check_extend_lens(rt, ctx, stage + 1)
 
@@ -184,7 +184,7 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage) -> None:
     rt.slots.mark_dropped(ctx.out_cache_loc[~keep[:total]], stage)
     for (b, _, joined), count in zip(step.selecting, counts.tolist()):
         if joined:
-            ctx.kept[0][b] = joined + ctx.lens[b]
+            ctx.report.kept[0][b] = joined + ctx.lens[b]
         if count < joined + ctx.lens[b]:
             ctx.sparse[b] = True
         ctx.lens[b] = int(count)
@@ -195,11 +195,11 @@ def _park(rt, ctx, b, rows, q, keep, stage) -> None:
     on alone so the forward still yields the logits SGLang expects (discarded)."""
     rid = ctx.plan.decisions[b].rid
     last = rows[-rt.config.last_queries:]
-    ctx.to_park.append((rid, rows))
-    ctx.parked_now.append(b)
+    ctx.parking.to_park.append((rid, rows))
+    ctx.parking.parked_now.append(b)
     keep.index_fill_(0, rows[:-1], False)
     rt.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
-    ctx.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
+    ctx.parking.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
     rt.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
     ctx.sparse[b] = True
     ctx.lens[b] = 1

@@ -14,7 +14,7 @@ radix tree until the whole prompt is prefilled.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -53,6 +53,22 @@ class ParkedRows:
         if len(self._hidden) > 1:
             self._hidden, self._residual = [torch.cat(self._hidden)], [torch.cat(self._residual)]
         return self._hidden[0], self._residual[0]
+
+
+@dataclasses.dataclass
+class ParkingStep:
+    """What one forward does to parked rows: the drop writes it, the layer hook hands the rows
+    to the lot, the runtime settles it when the forward ends or rolls it back when it failed."""
+    # rid -> (ParkedRows, count) when the forward began (a failed forward is rolled back to it).
+    before: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # Do parked rows rejoin in this forward although no request drops (a dense final chunk)?
+    rejoins: bool = False
+    parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking now
+    to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
+    sink: Optional[Callable] = None  # (rid, hidden_rows, residual_rows) -> None
+    # Slots of each parking chunk's last row, which goes on past the first drop (for logits).
+    ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    finished: List[str] = dataclasses.field(default_factory=list)  # rids whose rows rejoined
 
 
 class ParkingLot:
@@ -111,7 +127,7 @@ class ParkingLot:
             parked = None if d.park else self.rows.get(d.rid)
             if parked is None:
                 continue
-            ctx.finished_parking.append(d.rid)
+            ctx.parking.finished.append(d.rid)
             if parked.count:
                 out[b] = parked
         return out

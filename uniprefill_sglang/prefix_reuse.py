@@ -163,7 +163,7 @@ class PrefixReuse:
             action, why = self.prefix_action(ctx, b, d)
             if action is None:
                 continue
-            ctx.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, d.cached_len, why=why)
+            ctx.report.prefix_outcomes[b] = PrefixOutcome(d.prefix_policy, d.cached_len, why=why)
             if action == VERIFY:
                 verifying.append(b)
             if action != "keep":
@@ -172,7 +172,7 @@ class PrefixReuse:
             return {}
         if self.checkpoint is None:
             for b in candidates:
-                ctx.prefix_outcomes[b].why = ("this server keeps no prefix checkpoint (radix "
+                ctx.report.prefix_outcomes[b].why = ("this server keeps no prefix checkpoint (radix "
                                               "cache off, or a policy that never re-selects)")
             return {}
         prefix_slots = {b: req_to_token[rows[b], :ctx.plan.decisions[b].cached_len]
@@ -190,7 +190,7 @@ class PrefixReuse:
         dropped = dict(zip(verifying, host[len(candidates) + len(verifying):]))
         out: Dict[int, ParkedRows] = {}
         for i, b in enumerate(candidates):
-            outcome = ctx.prefix_outcomes[b]
+            outcome = ctx.report.prefix_outcomes[b]
             if b in missing:
                 outcome.missing_mass, outcome.dropped_mass = missing[b], dropped[b]
                 outcome.tolerance = reuse_tolerance(ctx.plan.decisions[b].top_p)

@@ -110,17 +110,17 @@ class UniPrefillRuntime:
             ctx.positions, ctx.out_cache_loc = fb.positions, fb.out_cache_loc
             ctx.lens = list(fb.extend_seq_lens_cpu)
             ctx.fixed_lens = self.prefix_lens(fb)
-            ctx.kept.append(list(ctx.lens))
+            ctx.report.kept.append(list(ctx.lens))
             ctx.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, ctx.fixed_lens)
             ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
             if plan is not None and self.has_schedule:
                 self._note_refused_parking(ctx)
                 parked = {d.rid: self.parking.get(d.rid) for d in plan.decisions
                           if self.parking.is_parked(d.rid)}
-                ctx.parked_before = {rid: (rows, rows.count) for rid, rows in parked.items()}
+                ctx.parking.before = {rid: (rows, rows.count) for rid, rows in parked.items()}
                 # A dense step of a request with parked rows (a recovery, a final chunk in a
                 # batch that asks for logprobs) must still let them rejoin, all kept.
-                ctx.rejoins = any(d.rid in parked and not d.park for d in plan.decisions)
+                ctx.parking.rejoins = any(d.rid in parked and not d.park for d in plan.decisions)
         elif fb.forward_mode.is_decode() and self.has_schedule:
             rows = self.host_rows(fb)
             self.stage_kv.refresh_stale(rows, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
@@ -143,15 +143,15 @@ class UniPrefillRuntime:
 
     def end_forward(self, ctx: DropContext) -> None:
         plugin_state().forward = None
-        for slots in ctx.ghost_slots:  # computed past the first drop on a partial view
+        for slots in ctx.parking.ghost_slots:  # computed past the first drop on a partial view
             self.slots.mark_dropped(slots, 0, release=False)  # parked: it rejoins later
-        for rid in ctx.finished_parking:
+        for rid in ctx.parking.finished:
             self.parking.forget(rid)
-        if ctx.is_extend and ctx.plan is not None and len(ctx.kept) > 1:
+        if ctx.is_extend and ctx.plan is not None and len(ctx.report.kept) > 1:
             for b, d in enumerate(ctx.plan.decisions):  # requests through every drop
-                if d.enabled and b not in ctx.parked_now:
-                    self.scored_tokens += ctx.kept[0][b]
-                    self.kept_tokens += ctx.kept[-1][b]
+                if d.enabled and b not in ctx.parking.parked_now:
+                    self.scored_tokens += ctx.report.kept[0][b]
+                    self.kept_tokens += ctx.report.kept[-1][b]
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
 
@@ -171,7 +171,7 @@ class UniPrefillRuntime:
             self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared
             self.prefix_reuse.release(ctx.plan.decisions[b].rid)
         decisions = ctx.plan.decisions if ctx.plan else []
-        self.parking.roll_back(ctx.parked_before, [d.rid for d in decisions])
+        self.parking.roll_back(ctx.parking.before, [d.rid for d in decisions])
         for b, d in enumerate(decisions):
             parked = self.parking.get(d.rid)
             if parked is None:
@@ -198,8 +198,8 @@ class UniPrefillRuntime:
         end_forward, so it does not count)."""
         fb = ctx.forward_batch
         for b, (row, plen) in enumerate(zip(self.host_rows(fb), self.prefix_lens(fb))):
-            ghost = 1 if b in ctx.parked_now else 0
-            entered = [ctx.kept[min(s, len(ctx.kept) - 1)][b] - ghost
+            ghost = 1 if b in ctx.parking.parked_now else 0
+            entered = [ctx.report.kept[min(s, len(ctx.report.kept) - 1)][b] - ghost
                        for s in range(1, self.stages.num_drops + 1)]
             if not self.stage_kv.record_extend(row, plen + fb.extend_seq_lens_cpu[b],
                                                ctx.prefix_valid[b], entered,
@@ -257,7 +257,7 @@ def _stage_pools(stages: LayerStages, pool, allocator, device):
         bytes_per_slot[stages.stage(layer)] += size
     pools = StagePools(staged.layout, pool.size, staged.sizes, bytes_per_slot, device)
     staged.maps = pools.maps
-    allocator.uniprefill_stage_pools = pools
+    allocator.uniprefill = pools
     total = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                 for k, v in zip(pool.k_buffer, pool.v_buffer))
     logger.info("UniPrefill staged KV layout: stage pools of %s slots (full pool %d), "

@@ -66,10 +66,10 @@ class StageViewAdapter:
         return self.target.rsplit(".", 1)[-1]
 
     def state(self, backend):
-        st = backend.__dict__.get("_uniprefill_state")
+        st = backend.__dict__.get("uniprefill")
         if st is None:
             st = self.State()
-            backend._uniprefill_state = st
+            backend.uniprefill = st
         return st
 
     def unsupported_reason(self, backend) -> Optional[str]:

@@ -277,14 +277,14 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
                         fixed_split_size=backend.decode_split_tile_size, **kw)
         wrappers.append(w)
     staged = DecodeMetadata(wrappers, swa_out_cache_loc=meta.swa_out_cache_loc)
-    staged.uniprefill_staged = True
+    staged.uniprefill = True  # one decode wrapper per stage
     backend.forward_metadata = staged
     return result
 
 
 def get_wrapper_idx(original, backend, layer):
     """AROUND `FlashInferAttnBackend._get_wrapper_idx`: the layer's stage under staged metadata."""
-    if getattr(backend.forward_metadata, "uniprefill_staged", False):
+    if getattr(backend.forward_metadata, "uniprefill", False):
         runtime = get_runtime()
         if runtime is not None:
             return runtime.stages.stage(layer.layer_id)
@@ -402,5 +402,5 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
                 global_override_indptr_cpu=host_indptrs[i], **kw,
             )
     if in_capture:
-        backend.forward_metadata.uniprefill_staged = True
+        backend.forward_metadata.uniprefill = True
     return result

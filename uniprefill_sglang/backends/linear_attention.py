@@ -52,9 +52,9 @@ def survivors_view(ctx, metadata, fb, stage: int):
     torch.cumsum(lens, 0, out=query_start_loc[1:])
     view = copy.copy(metadata)
     view.query_start_loc = query_start_loc.to(device)
-    if ctx.parked_now:
+    if ctx.parking.parked_now:
         slots = metadata.mamba_cache_indices.clone()
-        slots[torch.tensor(ctx.parked_now, device=slots.device)] = -1
+        slots[torch.tensor(ctx.parking.parked_now, device=slots.device)] = -1
         view.mamba_cache_indices = slots
     prefix_lens = torch.tensor(ctx.fixed_lens, dtype=fb.extend_prefix_lens.dtype).to(
         fb.extend_prefix_lens.device)

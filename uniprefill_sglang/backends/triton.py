@@ -123,7 +123,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_decode`: the layer's stage view, when one is set."""
     meta = backend.forward_metadata
-    views = getattr(meta, "uniprefill_stages", None)
+    views = getattr(meta, "uniprefill", None)
     runtime = get_runtime()
     view = views.get(runtime.stages.stage(layer.layer_id)) if views and runtime else None
     if view is None:
@@ -155,7 +155,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
         splits = torch.empty(bs, dtype=torch.int32, device=counts.device)
         backend.get_num_kv_splits(splits, counts[s - 1])
         out[s] = (indptr[s - 1], indices[s - 1], splits)
-    backend.forward_metadata.uniprefill_stages = out
+    backend.forward_metadata.uniprefill = out
     return result
 
 
@@ -205,7 +205,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
             runtime.slots.pool_slots_after_first(backend.cuda_graph_kv_indices[:n]))
         st.graph_splits[:, :bs].copy_(backend.cuda_graph_num_kv_splits[:bs].expand(len(stages), -1))
     if in_capture:
-        backend.forward_metadata.uniprefill_stages = {
+        backend.forward_metadata.uniprefill = {
             s: (st.graph_indptr[s - 1][: bs + 1], st.graph_indices[s - 1], st.graph_splits[s - 1])
             for s in stages
         }
