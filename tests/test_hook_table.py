@@ -1,8 +1,6 @@
 """The hook table is the whole list of changes to SGLang, and every target exists upstream."""
 
 import importlib
-import subprocess
-import sys
 
 from uniprefill_sglang.patches import hook_table, register_all
 
@@ -40,8 +38,10 @@ def test_every_target_resolves_on_the_installed_sglang():
         assert hook.why
 
 
-def test_the_table_prints():
-    out = subprocess.run([sys.executable, "-m", "uniprefill_sglang.patches"], check=True,
-                         capture_output=True, text=True).stdout
+def test_the_table_prints(capsys):
+    from uniprefill_sglang.patches.__main__ import main
+
+    main()
+    out = capsys.readouterr().out
     for hook in hook_table():
         assert hook.target in out

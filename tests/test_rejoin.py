@@ -138,3 +138,17 @@ def test_a_fault_the_dense_re_run_hits_too_fails_the_request(smollm2_path, monke
         assert "500" in str(error) and "incomplete KV" in str(error), error
     assert all(len(ids) == GREEDY["max_new_tokens"] for ids in dense)
     _assert_no_leak(state)
+
+
+def test_under_tensor_parallelism_only_the_plugins_own_errors_are_recovered():
+    """A rank re-running a forward alone would hang the collectives: with a TP group only the
+    plugin's own errors (raised alike on every rank) are recovered from."""
+    from types import SimpleNamespace
+
+    from uniprefill_sglang.context import UniPrefillError
+    from uniprefill_sglang.patches.model_runner import _recoverable
+
+    tp, single = SimpleNamespace(tp_agreement=object()), SimpleNamespace(tp_agreement=None)
+    assert _recoverable(tp, UniPrefillError("a drop failed"))
+    assert not _recoverable(tp, RuntimeError("CUDA out of memory"))
+    assert _recoverable(single, RuntimeError("CUDA out of memory"))
