@@ -1,7 +1,7 @@
 """Every change uniprefill-sglang makes to SGLang, one module per upstream component.
 
 Each module lists its rows in `HOOKS` (patches/hook_table.py: target, kind, function, why; the
-attention adapters' rows come from their adapters), and `hook_table()` is the one list of them
+attention adapters' rows come from their adapters), and `all_hooks()` is the one list of them
 that the loader registers and `python -m uniprefill_sglang.patches` prints. Nothing in SGLang's
 files is edited: `HookRegistry.apply_hooks()` (run by SGLang's plugin loader in the launcher,
 in `sglang.Engine` and in every scheduler process) swaps them in. It only logs a target it
@@ -34,7 +34,7 @@ _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, s
 BROKEN_TEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.uniprefill_test_missing_target"
 
 
-def hook_table() -> tuple:
+def all_hooks() -> tuple:
     """Every row, in registration order (the test-only broken target under its fault)."""
     from uniprefill_sglang import environ
 
@@ -51,7 +51,7 @@ def register_all() -> None:
 
     kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND,
              "replace": HookType.REPLACE}
-    for hook in hook_table():
+    for hook in all_hooks():
         if hook.kind in kinds:
             HookRegistry.register(hook.target, hook.resolve(), kinds[hook.kind])
         elif hook.kind == "assign":

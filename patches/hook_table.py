@@ -1,6 +1,6 @@
 """One row per change the plugin makes to SGLang: its target, its kind, its function and why.
 
-Every patch module lists its rows in `HOOKS`; `patches.hook_table()` gathers them, with the
+Every patch module lists its rows in `HOOKS`; `patches.all_hooks()` gathers them, with the
 attention adapters' rows, into the one table the loader registers (`patches.register_all`) and
 `python -m uniprefill_sglang.patches` prints. Kinds:
 
@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Optional, Union
+import inspect
+import json
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Union
+
+# The parameters of every hooked function, as the plugin was written for them (SGLang 0.5.17;
+# `python -m uniprefill_sglang.patches --record` rewrites it).
+SIGNATURES = Path(__file__).with_name("signatures.json")
 
 KINDS = ("before", "after", "around", "replace", "assign", "instance")
 
@@ -44,3 +51,45 @@ class Hook:
         if isinstance(self.function, str):
             return self.function.replace(":", ".")
         return f"{self.function.__module__}.{self.function.__qualname__}"
+
+
+def resolve_target(target: str):
+    """The upstream object a dotted target names (the longest importable module, then
+    attributes); raises ImportError or AttributeError when it does not exist."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"no module of {target} can be imported")
+
+
+def parameters(target: str) -> List[str]:
+    """The parameter names of a hooked function, in order (kinds and defaults aside: a hook
+    passes arguments through by name and position)."""
+    return list(inspect.signature(resolve_target(target)).parameters)
+
+
+def signed(rows: Iterable[Hook]) -> List[str]:
+    """The targets whose signature a hook depends on: the functions it wraps or runs beside."""
+    return sorted({h.target for h in rows if h.kind in ("before", "after", "around")})
+
+
+def signature_changes(rows: Iterable[Hook]) -> Dict[str, str]:
+    """Per hooked target whose parameters differ from the recorded ones (or that no longer
+    resolves), what changed."""
+    recorded = json.loads(SIGNATURES.read_text())
+    changes = {}
+    for target in signed(rows):
+        try:
+            now = parameters(target)
+        except (ImportError, AttributeError) as e:
+            changes[target] = f"does not resolve ({e})"
+            continue
+        if recorded.get(target) != now:
+            changes[target] = f"parameters {now}, written for {recorded.get(target)}"
+    return changes
