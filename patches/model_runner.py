@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
-    from uniprefill_sglang.architectures import lookup as architecture_entry
     from uniprefill_sglang.drop import warm_up
     from uniprefill_sglang.kv_validity import LayerStages
     from uniprefill_sglang.request_plan import log_fallback_once
@@ -50,10 +49,9 @@ def _install_runtime(result, model_runner, *args, **kwargs):
                                 allocator=model_runner.token_to_kv_pool_allocator)
     runtime.dense_reason = schedule.dense_reason
     runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
-    architectures = list(getattr(model_runner.model_config.hf_config, "architectures", None)
-                         or [])
+    architectures = list(schedule.facts.architectures)
     if runtime.has_schedule and not model_integration.install(
-            model_runner.model, runtime, architecture_entry(architectures)):
+            model_runner.model, runtime, schedule.facts.entry):
         runtime.dense_reason = (f"model {type(model_runner.model).__name__} does not have the "
                                 "decoder layers its architecture's integration expects")
         log_fallback_once(runtime.dense_reason)

@@ -1,6 +1,7 @@
 """The schedule resolved once from a model's facts (schedule.py): drop layers, KV layout,
 checkpoint and the dense reason, for the model families and server settings that decide them."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -46,9 +47,10 @@ def test_keep_ratios_size_the_staged_pools_and_reselect_keeps_the_checkpoint():
 def test_staged_layout_is_refused_where_it_cannot_serve():
     staged = _config(keep_ratio="0.5")
     assert not resolve(staged, LLAMA, _server(), use_mla=True).staged
-    triton = SimpleNamespace(**{**vars(_server()), "attention_backend": "triton",
-                                "enable_deterministic_inference": True})
-    assert not resolve(staged, LLAMA, triton).staged
+    triton = dataclasses.replace(LLAMA, attention_backends=frozenset({"triton"}))
+    assert resolve(staged, triton, _server(attention_backend="triton")).staged
+    assert not resolve(staged, triton, _server(attention_backend="triton",
+                                               enable_deterministic_inference=True)).staged
 
 
 def test_qwen3_next_drops_only_without_the_radix_cache_and_keeps_the_shared_layout():

@@ -71,7 +71,7 @@ class Schedule:
     checkpoint: bool
     # Why no request drops (None when the schedule has drop layers).
     dense_reason: Optional[str]
-    context_len: Optional[int] = None
+    facts: ModelFacts
 
     @property
     def drop_layers(self) -> Tuple[int, ...]:
@@ -89,7 +89,7 @@ class Schedule:
         if not self.staged:
             return None
         return StageLayout(self.drop_layers, self.stages.num_layers, self.stage_fractions,
-                           min_slots=(self.context_len or 0) + 1)
+                           min_slots=(self.facts.context_len or 0) + 1)
 
 
 NO_DROP_LAYERS = "no drop layers"
@@ -114,26 +114,24 @@ def resolve(config: UniPrefillConfig, facts: ModelFacts, server_args,
                "the radix cache is on; start with --disable-radix-cache to drop")
         drop_layers = ()
     fractions = None
-    if drop_layers and _staged_layout_applies(config, server_args, use_mla, recurrent,
-                                              facts.architectures):
+    if drop_layers and _staged_layout_applies(config, server_args, use_mla, recurrent, facts):
         fractions = tuple(config.stage_kv_fraction
                           or default_stage_fractions(len(drop_layers), config.keep_ratio))
     return Schedule(LayerStages(drop_layers, facts.num_layers), fractions,
                     bool(drop_layers) and needs_checkpoint(server_args, config),
-                    None if drop_layers else (why or NO_DROP_LAYERS), facts.context_len)
+                    None if drop_layers else (why or NO_DROP_LAYERS), facts)
 
 
-def _staged_layout_applies(config, server_args, use_mla, recurrent, architectures) -> bool:
+def _staged_layout_applies(config, server_args, use_mla, recurrent, facts) -> bool:
     if config.kv_layout != "staged" or use_mla:
         return False
-    if "triton" in attention_backend_names(server_args) and \
-            server_args.enable_deterministic_inference:
+    if "triton" in facts.attention_backends and server_args.enable_deterministic_inference:
         # The Triton adapter does not serve deterministic inference (its split KV is fixed).
         logger.warning("UniPrefill: Triton under deterministic inference keeps the shared KV "
                        "layout")
         return False
     if recurrent:  # its KV pool (HybridLinearKVPool) holds the full-attention layers only
-        logger.info("UniPrefill: %s keeps the shared KV layout", ", ".join(architectures))
+        logger.info("UniPrefill: %s keeps the shared KV layout", ", ".join(facts.architectures))
         return False
     return True
 
