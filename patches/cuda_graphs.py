@@ -7,13 +7,15 @@
 
 `can_run_graph` (AROUND):
 
-Why: a prefill CUDA graph is captured for fixed token counts, while a batch that drops tokens
-changes its row count mid-forward (and its later layers read per-stage KV views planned at run
-time). Such a batch, and one whose requests reuse a sparse cached prefix, runs eagerly; batches
-with nothing to drop and no sparse KV keep the graph, under the shared KV layout only (under the
-staged layout every layer after the first drop reads its own pool through those views). Decode
-graphs need no bypass: the attention backends capture them with one view per stage
-(patches/attention_backends.py).
+Why: a prefill CUDA graph is captured for fixed token counts, while a step in which the drop
+layers act (drop, park, restore or let rows rejoin: `DropContext.acts`) changes its row count
+mid-forward and runs the drop's host code between layers. Such a step runs eagerly. Every other
+step replays the graph, also where later layers read per-stage KV views (a sparse cached prefix,
+the staged KV layout): SGLang's breakable graph runs attention eagerly between its captured
+segments, so the adapters' extend hooks plan and run the views there, from the drop context of
+the live forward (backends/). The answer is reported per request (`prefill_cuda_graph` in
+`meta_info["uniprefill"]`). Decode graphs need no bypass: the attention backends capture them
+with one view per stage (patches/attention_backends.py).
 """
 
 from uniprefill_sglang.patches.hook_table import Hook
@@ -26,18 +28,18 @@ def needs_eager_prefill(forward_batch) -> bool:
     runtime, ctx = get_runtime(), current()
     if runtime is None or not runtime.has_schedule or ctx is None or not ctx.is_extend:
         return False
-    if runtime.slots.staged:
-        return True  # the later stages' KV is read through views planned at run time
-    plan = ctx.plan
-    if plan is not None and any(d.enabled or getattr(d, "park", False) for d in plan.decisions):
-        return True  # a drop (or chunked-prefill parking) may happen in this forward
-    return bool(ctx.sparse) and any(ctx.sparse)  # a cached prefix misses KV in later stages
+    return ctx.acts
 
 
 def _prefill_can_run_graph(original, runner, forward_batch, *args, **kwargs):
-    if needs_eager_prefill(forward_batch):
-        return False
-    return original(runner, forward_batch, *args, **kwargs)
+    from uniprefill_sglang.context import current
+
+    replay = not needs_eager_prefill(forward_batch) and original(runner, forward_batch, *args,
+                                                                 **kwargs)
+    ctx = current()
+    if ctx is not None and ctx.is_extend:
+        ctx.report.prefill_graph = bool(replay)
+    return replay
 
 
 def _keep_customized_info(original, runner, output, *args, **kwargs):

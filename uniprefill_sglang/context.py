@@ -179,12 +179,16 @@ class DropReport:
     notes: Dict[int, str] = dataclasses.field(default_factory=dict)
     # Per request with a cached prefix: what it did with it (prefix_reuse.PrefixOutcome).
     prefix_outcomes: Dict[int, object] = dataclasses.field(default_factory=dict)
+    # Did SGLang's prefill CUDA graph run the step (None: no graph runner was asked)?
+    prefill_graph: Optional[bool] = None
 
     def entry(self, b: int, decision) -> dict:
         entry = {"enabled": decision.enabled, "reason": self.notes.get(b, decision.reason),
                  "kept_tokens": [stage_lens[b] for stage_lens in self.kept]}
         if b in self.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
             entry["prefix"] = self.prefix_outcomes[b].as_dict()
+        if self.prefill_graph is not None:
+            entry["prefill_cuda_graph"] = self.prefill_graph
         if self.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
             entry["kept_digest"] = [stage[b] for stage in self.kept_digest]
         return entry

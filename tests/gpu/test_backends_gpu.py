@@ -76,9 +76,14 @@ ENGINES = {
     # Upstream's paged-only FlashInfer prefill (as under deterministic inference): the adapter's
     # fallback of one paged view per stage instead of ragged survivors + paged prefix.
     "flashinfer_paged": dict(attention_backend="flashinfer"),
+    # The shared KV layout (the default under top-p): a sparse cached prefix read through views
+    # inside the breakable prefill graph.
+    "flashinfer_shared": dict(attention_backend="flashinfer", uniprefill_kv_layout="shared"),
 }
 ENGINE_ENV = {"flashinfer_paged": {"SGLANG_FLASHINFER_USE_PAGED": "1"}}
-GPU_BACKENDS = ["flashinfer", "flashinfer_nograph", "triton", "flashinfer_paged"]
+GPU_BACKENDS = ["flashinfer", "flashinfer_nograph", "triton", "flashinfer_paged",
+                "flashinfer_shared"]
+GRAPH_BACKENDS = ["flashinfer", "triton", "flashinfer_paged", "flashinfer_shared"]
 META = "uniprefill"
 TIMEOUT_S = 270  # all engines, start-up included
 WORKLOAD_TIMEOUT_S = 120
@@ -409,6 +414,22 @@ def test_prefill_graph_batch_reports_uniprefill_meta(results, backend):
     (patches/cuda_graphs.py keeps `customized_info` through the runner's output trim)."""
     meta = _first_meta(results[backend]["short"])
     assert meta is not None and meta["enabled"] is False and meta["kept_tokens"] == [40]
+
+
+@pytest.mark.parametrize("backend", GRAPH_BACKENDS)
+def test_prefill_graph_runs_every_step_that_moves_no_row(results, backend):
+    """The prefill CUDA graph replays every step whose drop layers have nothing to do, under
+    either KV layout: a dense short prompt, and a follow-up over a cached document that was
+    dropped from (its later layers read the sparse prefix through per-stage views, planned in
+    the graph's eager attention breaks). A step that drops runs eagerly. Outputs are compared
+    with torch_native and with the graph-less engine in test_matches_torch_native."""
+    res = results[backend]
+    assert _first_meta(res["short"])["prefill_cuda_graph"] is True
+    assert _first_meta(res["solo"])["prefill_cuda_graph"] is False  # it drops (fits a bucket)
+    follow_up = res["radix"][1]
+    assert follow_up["cached_tokens"] >= len(DOC)
+    assert _first_meta(follow_up)["prefill_cuda_graph"] is True
+    assert "prefill_cuda_graph" not in _first_meta(results["flashinfer_nograph"]["short"])
 
 
 @pytest.mark.parametrize("backend", ["torch_native"] + GPU_BACKENDS)

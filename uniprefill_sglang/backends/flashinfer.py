@@ -206,7 +206,9 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         raise UniPrefillError(f"FlashInfer layer {layer.layer_id} needs a per-stage KV view "
                               f"that this call cannot take ({why})")
     stage = runtime.stages.stage(layer.layer_id)
-    view = _plan_extend_view(backend, runtime, ctx, forward_batch, stage)
+    # From the live batch: under the breakable prefill graph `forward_batch` is the runner's
+    # static copy, sliced to this batch.
+    view = _plan_extend_view(backend, runtime, ctx, ctx.forward_batch, stage)
     if save_kv_cache:
         write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k, v,
                  *backend._kv_write_scales(layer))

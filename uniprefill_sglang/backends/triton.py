@@ -98,8 +98,9 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
             or kwargs.get("score_mod") is not None or not ADAPTER.supported(backend)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     stage = runtime.stages.stage(layer.layer_id)
+    # From the live batch (under the breakable prefill graph `forward_batch` is a static copy).
     kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(
-        backend, runtime, ctx, forward_batch, stage
+        backend, runtime, ctx, ctx.forward_batch, stage
     )
     if save_kv_cache:
         if layer.k_scale is None:
