@@ -3,7 +3,11 @@
 A sliding-window layer after a drop attends to the surviving keys within its window measured
 in original positions: the mask over the survivors must be upstream's whole-sequence mask
 (`TorchNativeAttnBackend._make_sliding_window_mask`) restricted to the surviving query and key
-positions, on fresh random survivor sets, windows and prefix offsets.
+positions, on fresh random survivor sets, windows and prefix offsets. Upstream's window
+(RadixAttention's `sliding_window_size`) is one less than Hugging Face's `sliding_window` for
+Gemma 3 (SGLang's `gemma3_causal.get_attention_sliding_window_size`); read so, the mask is
+transformers' own, and the float64 Gemma 3 reference's (`backends/sliding_window_reference.py`,
+on Hugging Face's window).
 """
 
 from __future__ import annotations
@@ -47,3 +51,28 @@ def test_window_read_as_upstream_reads_it():
     assert sliding_window(_Layer(None)) is None
     assert sliding_window(_Layer(511)) == 511
     assert sliding_window(object()) is None
+
+
+def test_survivor_mask_is_transformers_gemma3_mask_on_original_positions():
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from sglang.srt.models.gemma3_causal import get_attention_sliding_window_size
+    from uniprefill_sglang.backends.sliding_window_reference import visible
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(100):
+        seq_len = int(torch.randint(1, 400, (1,), generator=gen))
+        hf_window = int(torch.randint(1, 80, (1,), generator=gen))
+        upstream = get_attention_sliding_window_size(_Config(hf_window))
+        keys = torch.nonzero(torch.rand(seq_len, generator=gen) < 0.5).flatten()
+        if keys.numel() == 0:
+            keys = torch.tensor([seq_len - 1])
+        queries = keys[keys >= int(torch.randint(0, seq_len, (1,), generator=gen))]
+        hf = sliding_window_causal_mask_function(hf_window)(0, 0, queries[:, None], keys[None, :])
+        assert torch.equal(_visible(keys, queries, upstream), hf), (seq_len, hf_window)
+        assert torch.equal(visible(queries, keys, hf_window), hf), (seq_len, hf_window)
+
+
+class _Config:
+    def __init__(self, sliding_window):
+        self.sliding_window = sliding_window
