@@ -5,9 +5,13 @@ attention adapters' rows come from their adapters), and `all_hooks()` is the one
 that the loader registers and `python -m uniprefill_sglang.patches` prints. Nothing in SGLang's
 files is edited: `HookRegistry.apply_hooks()` (run by SGLang's plugin loader in the launcher,
 in `sglang.Engine` and in every scheduler process) swaps them in. It only logs a target it
-cannot resolve, so the model runner hook checks, once the model and its attention backends
-exist, that every hook this process needs took (`unresolved_hooks`): an attention adapter's
-hooks are needed where its backend serves the model, every other hook always.
+cannot resolve and wraps a function whatever its parameters, so the model runner hook checks,
+once the model and its attention backends exist, that every hook this process needs took
+(`unresolved_hooks`) and that every function they wrap or run beside has parameters recorded
+for it in `signatures.json`, on a release of `versions.SUPPORTED` (`check_sglang`): an attention
+adapter's hooks are needed where its backend serves the model, every other hook always. Rows
+for some SGLang releases only say so (`Hook.sglang`); `all_hooks()` keeps those for the
+installed one.
 """
 
 from uniprefill_sglang.patches import (
@@ -35,11 +39,13 @@ BROKEN_TEST_TARGET = "sglang.srt.managers.scheduler.Scheduler.uniprefill_test_mi
 
 
 def all_hooks() -> tuple:
-    """Every row, in registration order (the test-only broken target under its fault)."""
+    """Every row for the installed SGLang, in registration order (the test-only broken
+    target under its fault)."""
     from uniprefill_sglang import environ
 
     rows = [hook for module in _MODULES for hook in module.HOOKS]
     rows += attention_backends.adapter_hooks()
+    rows = [hook for hook in rows if hook.applies()]
     if environ.TEST_FAULT.get() == "hook":
         rows.append(Hook(BROKEN_TEST_TARGET, "before", lambda *a, **k: None,
                          "test only: a target no SGLang has (UNIPREFILL_TEST_FAULT=hook)"))
@@ -65,15 +71,51 @@ def _ours(hooks) -> bool:
                for _, fn, _ in hooks)
 
 
+def _optional_targets(backend_classes) -> set:
+    """The attention adapters' targets of backends not in `backend_classes` (class names)."""
+    return {h.target for h in attention_backends.adapter_hooks()
+            if h.backend not in set(backend_classes)}
+
+
+def check_sglang(backend_classes) -> None:
+    """Refuse to start on an SGLang release outside `versions.SUPPORTED`, or when a function a
+    needed hook wraps or runs beside has parameters none of the recorded ones
+    (`signatures.json`): its hook would be handed arguments it was not written for. The
+    message also names the needed targets that do not resolve; alone, on a supported release,
+    those are left to `unresolved_hooks`."""
+    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang.patches.hook_table import UNRESOLVED, signature_changes
+
+    optional = _optional_targets(backend_classes)
+    changes = signature_changes([h for h in all_hooks() if h.target not in optional])
+    changed = {t: c for t, c in changes.items() if not c.startswith(UNRESOLVED)}
+    missing = sorted(set(changes) - set(changed))
+    release = versions.installed()
+    problems = []
+    if not versions.supported():
+        problems.append(f"SGLang {release} is not a supported release")
+    if changed:
+        problems.append(f"hooked SGLang function(s) changed on SGLang {release}: " + "; ".join(
+            f"{target}: {change}" for target, change in changed.items()))
+    if problems and missing:
+        problems.append(f"hook target(s) {', '.join(missing)} did not resolve")
+    if problems:
+        raise RuntimeError(
+            "UniPrefill: " + "; and ".join(problems)
+            + f". This plugin supports SGLang {versions.SUPPORTED}. "
+            "Start without --enable-uniprefill, or install a supported SGLang")
+
+
 def unresolved_hooks(backend_classes) -> list:
     """The plugin's hook targets that are not patched in this process and that it needs:
     every target but the attention adapters of backends not in `backend_classes` (class
-    names). Targets are retried first: a module that could not be imported when SGLang's
-    loader ran (an import cycle at start-up) usually can be now."""
+    names). `check_sglang` runs first (and raises). Targets
+    are retried: a module that could not be imported when SGLang's loader ran (an import
+    cycle at start-up) usually can be now."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    optional = {h.target for h in attention_backends.adapter_hooks()
-                if h.backend not in set(backend_classes)}
+    check_sglang(backend_classes)
+    optional = _optional_targets(backend_classes)
     HookRegistry.apply_hooks()  # patched targets are skipped
     return sorted(t for t, hooks in HookRegistry._hooks.items()
                   if _ours(hooks) and t not in HookRegistry._patched and t not in optional)

@@ -1,7 +1,9 @@
 """`python -m uniprefill_sglang.patches`: print every change the plugin makes to SGLang.
 
 `--check`: exit 1, naming them, when hooked functions of the installed SGLang have other
-parameters than the plugin was written for; `--record`: record the installed ones.
+parameters than the plugin was written for (none of those recorded for any version), or when
+the installed SGLang is not a supported release (patches/versions.py);
+`--record`: record the installed SGLang's under its version, keeping the other versions'.
 """
 
 import argparse
@@ -10,8 +12,9 @@ import sys
 
 import sglang
 
-from uniprefill_sglang.patches import all_hooks
-from uniprefill_sglang.patches.hook_table import SIGNATURES, parameters, signature_changes, signed
+from uniprefill_sglang.patches import all_hooks, hook_table, versions
+from uniprefill_sglang.patches.hook_table import (Version, parameters, recorded_signatures,
+                                                  signature_changes, signed)
 
 
 def main(argv=None) -> int:
@@ -21,15 +24,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = all_hooks()
     if args.record:
-        lines = [f" {json.dumps(t)}: {json.dumps(parameters(t))}" for t in signed(rows)]
-        SIGNATURES.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        recorded = recorded_signatures()
+        targets = []
+        for target in signed(rows):
+            by_version = {**recorded.get(target, {}), sglang.__version__: parameters(target)}
+            lines = ",\n".join(f"  {json.dumps(v)}: {json.dumps(p)}"
+                                for v, p in sorted(by_version.items(),
+                                                   key=lambda item: Version(item[0])))
+            targets.append(f" {json.dumps(target)}: {{\n{lines}\n }}")
+        hook_table.SIGNATURES.write_text("{\n" + ",\n".join(targets) + "\n}\n")
         return 0
     if args.check:
         changes = signature_changes(rows)
         for target, change in changes.items():
             print(f"{target}: {change}")
-        print(f"SGLang {sglang.__version__}: {len(changes)} hooked function(s) changed")
-        return 1 if changes else 0
+        outside = "" if versions.supported() else f", not a supported release ({versions.SUPPORTED})"
+        print(f"SGLang {sglang.__version__}: {len(changes)} hooked function(s) changed{outside}")
+        return 1 if changes or outside else 0
     print(f"uniprefill-sglang: {len(rows)} changes to SGLang {sglang.__version__}\n")
     for hook in rows:
         where = f" (where {hook.backend} serves)" if hook.backend else ""

@@ -19,11 +19,17 @@ import json
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
-# The parameters of every hooked function, as the plugin was written for them (SGLang 0.5.17;
-# `python -m uniprefill_sglang.patches --record` rewrites it).
+from packaging.version import Version
+
+# The parameters of every hooked function that the hooks were written for, per SGLang version:
+# {target: {version: [parameter, ...]}}. Any recorded list is accepted on any version (the
+# versions say where each was seen); `python -m uniprefill_sglang.patches --record` records the
+# installed SGLang's, keeping the other versions'.
 SIGNATURES = Path(__file__).with_name("signatures.json")
 
 KINDS = ("before", "after", "around", "replace", "assign", "instance")
+
+UNRESOLVED = "does not resolve"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +41,18 @@ class Hook:
     why: str
     # An attention backend's class name: the hook is needed only where that backend serves.
     backend: Optional[str] = None
+    # A version specifier ("<0.5.18", ">=0.5.23"): the row exists for those SGLang releases only.
+    sglang: Optional[str] = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"hook kind {self.kind!r} of {self.target} is not one of {KINDS}")
+
+    def applies(self) -> bool:
+        """Whether the row is for the installed SGLang (patches/versions.py)."""
+        from uniprefill_sglang.patches import versions
+
+        return versions.applies(self.sglang)
 
     def resolve(self) -> Callable:
         if not isinstance(self.function, str):
@@ -79,17 +93,41 @@ def signed(rows: Iterable[Hook]) -> List[str]:
     return sorted({h.target for h in rows if h.kind in ("before", "after", "around")})
 
 
+def recorded_signatures() -> Dict[str, Dict[str, List[str]]]:
+    """{target: {SGLang version: [parameter, ...]}} (`SIGNATURES`)."""
+    return json.loads(SIGNATURES.read_text())
+
+
+def parameter_change(target: str, now: List[str], recorded: dict) -> Optional[str]:
+    """None when `now` is one of the parameter lists recorded for `target`, else what changed
+    against the newest recorded one."""
+    by_version = recorded.get(target, {})
+    if now in by_version.values():
+        return None
+    if not by_version:
+        return f"no parameters recorded (now {now})"
+    before = by_version[max(by_version, key=Version)]
+    versions = ", ".join(v for v, params in by_version.items() if params == before)
+    added = [p for p in now if p not in before]
+    removed = [p for p in before if p not in now]
+    if not added and not removed:
+        return f"parameters reordered to {now} from {before} (SGLang {versions})"
+    what = ", ".join([f"adds {added}"] * bool(added) + [f"drops {removed}"] * bool(removed))
+    return f"{what} against its parameters on SGLang {versions}"
+
+
 def signature_changes(rows: Iterable[Hook]) -> Dict[str, str]:
-    """Per hooked target whose parameters differ from the recorded ones (or that no longer
-    resolves), what changed."""
-    recorded = json.loads(SIGNATURES.read_text())
+    """Per hooked target whose parameters are none of the recorded ones (or that no longer
+    resolves: `UNRESOLVED` and why), what changed."""
+    recorded = recorded_signatures()
     changes = {}
     for target in signed(rows):
         try:
             now = parameters(target)
         except (ImportError, AttributeError) as e:
-            changes[target] = f"does not resolve ({e})"
+            changes[target] = f"{UNRESOLVED} ({e})"
             continue
-        if recorded.get(target) != now:
-            changes[target] = f"parameters {now}, written for {recorded.get(target)}"
+        change = parameter_change(target, now, recorded)
+        if change:
+            changes[target] = change
     return changes
