@@ -13,6 +13,11 @@ token content, while under UniPrefill a slot's KV may exist in the early layers 
     request's selection. The host mirror of the request's KV gaps is then stale: it is re-read
     from the device before the request's next decode (one sync, only when slots were swapped).
 * `insert` (AFTER): records how much of the key the tree already held, for the hook above.
+* `kv_cache_builder.build_kv_cache` (AFTER): these hooks only hold where the scheduler's prefix
+  cache is a `RadixCache` (or no tree at all, `ChunkCache`). SGLang 0.5.17 builds another tree
+  under `SGLANG_ENABLE_UNIFIED_RADIX_TREE` or `SGLANG_EXPERIMENTAL_CPP_RADIX_TREE` (and 0.5.23
+  for every model): there parked chunks and dropped KV would be shared unchecked, so a server
+  that drops refuses to start, naming the cache it got.
 * `cache_finished_req` (AFTER): a request that re-selected over its cached prefix held private
   KV slots for the prefix's positions (uniprefill_sglang/prefix_reuse.py). SGLang inserts the
   request's slots into the tree, where the prefix's positions are already held (the tree keeps
@@ -61,7 +66,27 @@ def _release_private_prefix(result, cache, req, *args, **kwargs):
     return result
 
 
+def _check_tree_cache(result, *args, **kwargs):
+    from sglang.srt.mem_cache.chunk_cache import ChunkCache
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    cache = getattr(result, "tree_cache", None)
+    if runtime is None or not runtime.has_schedule or cache is None or isinstance(
+            cache, (RadixCache, ChunkCache)):
+        return result
+    raise RuntimeError(
+        f"UniPrefill: SGLang built a {type(cache).__name__} prefix cache, while UniPrefill's "
+        "prefix-cache hooks are on RadixCache (patches/radix_cache.py): parked chunks and "
+        "dropped KV would be shared unchecked. Start with --disable-radix-cache, or without "
+        "SGLANG_ENABLE_UNIFIED_RADIX_TREE / SGLANG_EXPERIMENTAL_CPP_RADIX_TREE")
+
+
 HOOKS = (
+    Hook("sglang.srt.mem_cache.kv_cache_builder.build_kv_cache", "after", _check_tree_cache,
+         "the prefix cache built must be the one these hooks patch, else refuse to start"),
     Hook(f"{_TARGET}.insert", "after", _record_insert,
          "how much of the key the tree already held (read by cache_unfinished_req)"),
     Hook(f"{_TARGET}.cache_unfinished_req", "around", _cache_unfinished_req,

@@ -105,19 +105,35 @@ def test_launch_server_exits_with_the_message(launcher_runs, mode_id, message):
     assert "Load weight begin" not in output, output[-3000:]
 
 
-@pytest.mark.engine
-def test_start_up_refuses_a_hook_that_did_not_resolve(smollm2_path):
-    """SGLang's hook loader only logs a target it cannot resolve; the plugin refuses to start
-    and names it (a test-only hook on a target no SGLang has)."""
-    from uniprefill_sglang.patches import BROKEN_TEST_TARGET
+def _start_refused(smollm2_path, env_extra: dict) -> str:
+    """Start the launcher with `env_extra`; it must fail after loading. Returns its output."""
     from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
 
-    env = {**os.environ, **cpu_engine_env(REPO_ROOT), "UNIPREFILL_TEST_FAULT": "hook"}
+    env = {**os.environ, **cpu_engine_env(REPO_ROOT), **env_extra}
     proc = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", *_base(smollm2_path),
          "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", "1"],
         env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
+    return output
+
+
+@pytest.mark.engine
+def test_start_up_refuses_a_hook_that_did_not_resolve(smollm2_path):
+    """SGLang's hook loader only logs a target it cannot resolve; the plugin refuses to start
+    and names it (a test-only hook on a target no SGLang has)."""
+    from uniprefill_sglang.patches import BROKEN_TEST_TARGET
+
+    output = _start_refused(smollm2_path, {"UNIPREFILL_TEST_FAULT": "hook"})
     assert f"hook target(s) {BROKEN_TEST_TARGET} did not resolve on SGLang" in output, \
+        output[-3000:]
+
+
+@pytest.mark.engine
+def test_start_up_refuses_a_prefix_cache_the_hooks_do_not_patch(smollm2_path):
+    """SGLang 0.5.17 builds its unified radix tree instead of RadixCache on request: the
+    plugin's prefix-cache hooks would not run there, so a server that drops refuses to start."""
+    output = _start_refused(smollm2_path, {"SGLANG_ENABLE_UNIFIED_RADIX_TREE": "1"})
+    assert "UniPrefill: SGLang built a UnifiedRadixCache prefix cache" in output, \
         output[-3000:]
