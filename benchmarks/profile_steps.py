@@ -10,7 +10,12 @@ profiler (CPU + GPU activities, Python stacks) and summarises each trace:
 * `--phase prefill`: the prefill step of both (SGLang's default chunking unless
   `--chunked-prefill-size -1`), with the time between its first kernel and its last, kernel time
   by kind (attention, GEMM, UniPrefill scoring / selection, other) and the GPU idle time;
-* both: synchronising CUDA runtime calls with the Python frames that made them (a sync in step
+* `--phase followup`: a cached document of `--length` tokens, then 100-token follow-ups over it
+  (the radix cache and SGLang's prefill CUDA graphs on, UniPrefill's defaults unless
+  `--keep-ratio` is given): each follow-up's latency, then one follow-up step recorded and
+  summarised as a prefill; the dense mode's document and follow-ups run with UniPrefill off, so
+  its cached KV is complete;
+* all: synchronising CUDA runtime calls with the Python frames that made them (a sync in step
   preparation stops the overlap scheduler from preparing the next step while this one runs; in
   a prefill it idles the GPU until the host launches again), and host time spent in
   `uniprefill_sglang` functions.
@@ -19,6 +24,8 @@ profiler (CPU + GPU activities, Python stacks) and summarises each trace:
         --length 32768 --out-dir /tmp/decode_profile
     python benchmarks/profile_steps.py --model-path benchmarks/models/llama-3.1-8b \\
         --phase prefill --length 8192 --chunked-prefill-size -1 --out-dir /tmp/prefill_profile
+    python benchmarks/profile_steps.py --model-path benchmarks/models/llama-3.1-8b \\
+        --phase followup --length 32768 --keep-ratio default --out-dir /tmp/followup_profile
 """
 
 from __future__ import annotations
@@ -83,6 +90,41 @@ async def _profiled_prefill(engine, runner, length, custom, steps, out_dir, gpu)
     await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps, gpu))
     await engine.async_generate(input_ids=runner.ids(length), sampling_params={
         "max_new_tokens": 1, "temperature": 0.0, "custom_params": custom})
+
+
+FOLLOW_UP_TOKENS = 100
+
+
+async def _profiled_followup(engine, runner, length, custom, steps, out_dir, gpu):
+    """Profile one follow-up step over the document `runner.doc` cached for these knobs."""
+    await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps, gpu))
+    await engine.async_generate(input_ids=runner.doc[custom_key(custom)] + runner.ids(
+        FOLLOW_UP_TOKENS), sampling_params={"max_new_tokens": 1, "temperature": 0.0,
+                                            "custom_params": custom})
+
+
+def custom_key(custom: dict) -> str:
+    return json.dumps(custom, sort_keys=True)
+
+
+def _measure_followups(runner, args, modes, result) -> None:
+    """Per mode: its own document (cached by the first request), then 3 timed follow-ups."""
+    runner.doc = {}
+    for name, custom in modes.items():
+        doc = runner.doc[custom_key(custom)] = runner.ids(args.length)
+        params = {"max_new_tokens": 1, "temperature": 0.0, "custom_params": custom}
+        runner.engine.generate(input_ids=doc, sampling_params=params)
+        times, metas = [], []
+        for _ in range(4):  # the first one warms this mode's path
+            start = time.perf_counter()
+            out = runner.engine.generate(input_ids=doc + runner.ids(FOLLOW_UP_TOKENS),
+                                         sampling_params=params)
+            times.append(time.perf_counter() - start)
+            metas.append((out["meta_info"].get("uniprefill") or [{}])[-1])
+        result["ttft_s"][name] = times
+        result["kept"][name] = metas[-1]
+        print(f"{name}: follow-ups {[round(t * 1e3, 1) for t in times]} ms, {metas[-1]}",
+              flush=True)
 
 
 def summarize(trace_path: str, phase: str = "decode") -> dict:
@@ -177,9 +219,10 @@ def _measure_ttft(runner, args, modes, result) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
-    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--phase", choices=("decode", "prefill", "followup"), default="decode")
     ap.add_argument("--length", type=int, default=32768)
-    ap.add_argument("--keep-ratio", default="0.5,0.8")
+    ap.add_argument("--keep-ratio", default="0.5,0.8",
+                    help="'default': the server's defaults (top-p)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--profile-steps", type=int, default=None,
                     help="steps to record (default: 20 decode steps, or the prefill's chunks)")
@@ -202,12 +245,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.load(open(f"{args.model_path}/config.json"))
     kwargs = engine_kwargs_for(args, [args.length + args.decode_tokens + 128])
+    if args.phase == "followup":  # what a user gets: the radix cache and prefill graphs on
+        kwargs.pop("cuda_graph_backend_prefill")
+        kwargs["disable_radix_cache"] = False
     engine = sglang.Engine(**kwargs)
     chunk = engine.get_server_info().get("chunked_prefill_size") or -1
     steps = args.profile_steps or (
-        20 if args.phase == "decode" else max(1, -(-args.length // chunk) if chunk > 0 else 1))
+        20 if args.phase == "decode" else 1 if args.phase == "followup"
+        else max(1, -(-args.length // chunk) if chunk > 0 else 1))
     runner = Runner(engine, cfg["vocab_size"], kwargs["context_length"])
-    modes = {"dense": {"uniprefill": False}, "uniprefill": {"uniprefill_keep_ratio": args.keep_ratio}}
+    uniprefill = {} if args.keep_ratio == "default" else {"uniprefill_keep_ratio": args.keep_ratio}
+    modes = {"dense": {"uniprefill": False}, "uniprefill": uniprefill}
     result = {"header": result_header(model=args.model_path), "phase": args.phase,
               "length": args.length, "keep_ratio": args.keep_ratio,
               "chunked_prefill_size": chunk, "profile_steps": steps,
@@ -215,13 +263,13 @@ def main() -> None:
     try:
         for custom in modes.values():  # warm-up
             runner.batch(args.length, custom, 1, decode_tokens=4)
-        if args.phase == "decode":
-            _measure_itl(runner, args, modes, result)
-        else:
-            _measure_ttft(runner, args, modes, result)
+        measure = {"decode": _measure_itl, "prefill": _measure_ttft,
+                   "followup": _measure_followups}[args.phase]
+        measure(runner, args, modes, result)
         for name, custom in modes.items():
             before = set(glob.glob(str(out / "*.trace.json*")))
-            profiled = _profiled_decode if args.phase == "decode" else _profiled_prefill
+            profiled = {"decode": _profiled_decode, "prefill": _profiled_prefill,
+                        "followup": _profiled_followup}[args.phase]
             engine.loop.run_until_complete(
                 profiled(engine, runner, args.length, custom, steps, out, args.device == "cuda"))
             new = set()
@@ -232,7 +280,7 @@ def main() -> None:
                     break
                 time.sleep(1)
             for path in sorted(new):
-                summary = summarize(path, args.phase)
+                summary = summarize(path, "decode" if args.phase == "decode" else "prefill")
                 os.rename(path, out / f"{args.phase}_{name}.trace.json.gz")
                 result["profile"][name] = summary
                 print(json.dumps({name: summary}, indent=1), flush=True)

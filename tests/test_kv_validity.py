@@ -11,7 +11,7 @@ import torch
 from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view
 from uniprefill_sglang.context import CheckFailed
 from uniprefill_sglang.kv_validity import KVGaps, RequestStageKV, SlotStages, check_kv_lens, \
-    compact, decode_stage_views, gather_seq_slots
+    compact, gather_seq_slots, stage_views
 
 NUM_DROPS = 4
 
@@ -70,8 +70,8 @@ def test_decode_views_hold_what_the_host_lengths_say(seed):
     n = int(all_lens.sum())
     out = torch.full((NUM_DROPS, n + 5), -9, dtype=torch.int64)  # poisoned static buffers
     indptr_out = torch.full((NUM_DROPS, bs + pad + 4), -9, dtype=torch.int32)
-    counts, indptr, indices = decode_stage_views(stages, req_to_token, all_rows, all_lens, n,
-                                                 bs, outs=out, indptr_outs=indptr_out)
+    counts, indptr, indices = stage_views(stages, req_to_token, all_rows, all_lens, n,
+                                          bs, outs=out, indptr_outs=indptr_out)
     assert indptr.data_ptr() == indptr_out.data_ptr() and indices.data_ptr() == out.data_ptr()
     assert torch.equal(host, counts)
     for k in range(NUM_DROPS):
@@ -85,9 +85,10 @@ def test_decode_views_hold_what_the_host_lengths_say(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
-    """Both GPU adapters' prefix view at every stage: in position order, the slots of positions
-    [0, fixed_len) whose KV that stage holds, as many as the host counts say (checked inside, as
-    under UNIPREFILL_CHECK_KV_LENS, and again here)."""
+    """Both GPU adapters' prefix view at every stage after the first (all built by the first
+    call, cached on the context): in position order, the slots of positions [0, fixed_len)
+    whose KV that stage holds, as many as the host counts say (checked inside, as under
+    UNIPREFILL_CHECK_KV_LENS, and again here)."""
     bs = 4
     stages, req_to_token, rows, lens = _random_pool(seed, bs=bs, max_len=29)
     rng = random.Random(seed)
@@ -96,8 +97,8 @@ def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
     runtime = SimpleNamespace(slots=stages, check_kv_lens=True)
     host = [[_valid_loop(stages, req_to_token, int(r), f, stage)
              for stage in range(NUM_DROPS + 1)] for r, f in zip(rows.tolist(), fixed)]
-    ctx = SimpleNamespace(fixed_lens=fixed, prefix_valid=host)
-    for stage in range(NUM_DROPS + 1):
+    ctx = SimpleNamespace(fixed_lens=fixed, prefix_valid=host, views={})
+    for stage in range(1, NUM_DROPS + 1):
         counts, indptr, indices = prefix_view(runtime, req_to_token, fb, ctx, stage)
         assert counts.tolist() == [h[stage] for h in host]
         for b, (r, f) in enumerate(zip(rows.tolist(), fixed)):
@@ -105,9 +106,10 @@ def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
             want = seq[stages.slot_stage[seq] >= stage].tolist()
             assert indices[indptr[b]:indptr[b + 1]].tolist() == want
     # A host count the slot map contradicts is refused.
-    ctx.prefix_valid = [[n + 1 for n in h] for h in host]
-    with pytest.raises(CheckFailed, match="extend prefix stage 0"):
-        prefix_view(runtime, req_to_token, fb, ctx, 0)
+    ctx = SimpleNamespace(fixed_lens=fixed, prefix_valid=[[n + 1 for n in h] for h in host],
+                          views={})
+    with pytest.raises(CheckFailed, match="extend prefix stage 1"):
+        prefix_view(runtime, req_to_token, fb, ctx, 2)
 
 
 def test_compact_one_view_keeps_order_and_refuses_a_short_buffer():

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from uniprefill_sglang.kv_validity import SlotStages, decode_stage_views
+from uniprefill_sglang.kv_validity import SlotStages, stage_views
 from uniprefill_sglang.stage_pools import StageLayout, StagePools, default_stage_fractions
 
 
@@ -141,8 +141,8 @@ def test_decode_views_name_each_stages_own_slots(seed):
         alive = full[slots.slot_stage[full] == slots.full]
         slots.mark_dropped(alive[torch.rand(alive.shape[0]) < 0.25], stage)
     rows = torch.arange(4)
-    counts, indptr, indices = decode_stage_views(slots, req_to_token, rows,
-                                                 torch.tensor(lens), sum(lens), 4)
+    counts, indptr, indices = stage_views(slots, req_to_token, rows,
+                                          torch.tensor(lens), sum(lens), 4)
     for s in (1, 2, 3):
         for b, n in enumerate(lens):
             seq = req_to_token[b, :n].long()

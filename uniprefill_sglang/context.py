@@ -67,9 +67,15 @@ class DropContext:
 
     @property
     def acts(self) -> bool:
-        """Do the drop layers have work in this forward (drop, park, restore or rejoin rows)?"""
-        return self.is_extend and self.plan is not None and (self.plan.any_enabled
-                                                              or self.parking.rejoins)
+        """Do the drop layers have work in this forward: drop, park, let parked rows rejoin, or
+        give a dense request the tokens its cached prefix lacks (a prefix holding every token
+        has nothing to restore, so such a step runs as stock SGLang)?"""
+        if not self.is_extend or self.plan is None:
+            return False
+        sparse = self.sparse or ()
+        return self.parking.rejoins or any(
+            d.enabled or d.park or (d.restore_prefix and b < len(sparse) and sparse[b])
+            for b, d in enumerate(self.plan.decisions))
 
     def note(self, b: int, reason: str) -> None:
         """Why request b ran dense or dropped less than its decision said."""

@@ -299,9 +299,10 @@ def compact(slots: torch.Tensor, bounds: torch.Tensor, keep: torch.Tensor,
     return counts, indptr, out
 
 
-def decode_stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
-                       n: int, raw_bs: int, outs=None, indptr_outs=None, dtype=None):
-    """The KV list of each decode request at every stage after the first, in one pass:
+def stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
+                n: int, raw_bs: int, outs=None, indptr_outs=None, dtype=None):
+    """The KV list of the first `seq_lens` positions of each request (a decode step's
+    sequences, an extend's cached prefixes) at every stage after the first, in one pass:
     (counts [D, bs], indptr [D, bs + 1], indices [D, >= n + 1]), row k for stage k + 1
     (`outs` / `indptr_outs`: static [D, ...] buffers to fill).
 

@@ -76,11 +76,6 @@ class BatchPlan:
             reason=d.reason if d.reason == "decode" else reason)
             for d in self.decisions])
 
-    @property
-    def any_enabled(self) -> bool:
-        """Does any request drop, park or restore rows at the drop layers?"""
-        return any(d.enabled or d.park or d.restore_prefix for d in self.decisions)
-
 
 @dataclasses.dataclass
 class ForwardInputs:

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from uniprefill_sglang.context import to_device
-from uniprefill_sglang.kv_validity import check_kv_lens, compact, extend_stage_slots
+from uniprefill_sglang.kv_validity import check_kv_lens, extend_stage_slots, stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -121,20 +121,26 @@ def extend_view_slots(runtime, req_to_token, fb, stage: int):
 
 
 def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None):
-    """Extend at `stage`: each request's valid prefix, the slots of positions before its first
-    current row (`ctx.fixed_lens`; for a final chunk whose parked rows rejoined, before those
-    rows) whose KV the stage holds. Returns `kv_validity.compact`'s (counts, indptr, indices);
-    under UNIPREFILL_CHECK_KV_LENS the counts are checked against the host's `ctx.prefix_valid`,
-    which the plans use."""
-    bs = fb.req_pool_indices.shape[0]
-    lens = to_device(ctx.fixed_lens, torch.int64, fb.req_pool_indices.device)
-    seq, valid = extend_stage_slots(runtime.slots, req_to_token, fb.req_pool_indices, lens,
-                                    sum(ctx.fixed_lens[:bs]), stage)
-    counts, indptr, indices = compact(seq.slots, seq.bounds, valid, dtype=dtype)
-    if runtime.check_kv_lens:
-        check_kv_lens(torch.tensor([p[stage] for p in ctx.prefix_valid]), counts,
-                      f"extend prefix stage {stage}")
-    return counts, indptr, indices
+    """Extend at `stage` (> 0): each request's valid prefix, the slots of positions before its
+    first current row (`ctx.fixed_lens`; for a final chunk whose parked rows rejoined, before
+    those rows) whose KV the stage holds. Returns `kv_validity.compact`'s (counts, indptr,
+    indices). Every later stage's view is built at the first call of a forward, in one gather
+    and one compaction (`fixed_lens` changes only at the first drop, before any later stage
+    runs), and cached on the drop context. Under UNIPREFILL_CHECK_KV_LENS the counts are
+    checked against the host's `ctx.prefix_valid`, which the plans use."""
+    cache = view_cache(ctx, "prefix_views")
+    views = cache.get(dtype)
+    if views is None:
+        bs = fb.req_pool_indices.shape[0]
+        lens = to_device(ctx.fixed_lens, torch.int64, fb.req_pool_indices.device)
+        views = stage_views(runtime.slots, req_to_token, fb.req_pool_indices, lens,
+                            sum(ctx.fixed_lens[:bs]), bs, dtype=dtype)
+        if runtime.check_kv_lens:
+            for k, counts in enumerate(views[0]):
+                check_kv_lens(torch.tensor([p[k + 1] for p in ctx.prefix_valid]), counts,
+                              f"extend prefix stage {k + 1}")
+        cache[dtype] = views
+    return tuple(v[stage - 1] for v in views)
 
 
 def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:

@@ -57,8 +57,8 @@ from uniprefill_sglang.context import UniPrefillError, current
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     compact,
-    decode_stage_views,
     gather_seq_slots,
+    stage_views,
 )
 from uniprefill_sglang.runtime import get_runtime
 
@@ -150,6 +150,21 @@ def _plan_paged(backend, wrapper, qo_lens, kv_lens, indices, causal: bool) -> No
     )
 
 
+def _ragged_wrapper(backend, ctx, stage: int, cache: dict):
+    """The survivors' causal attention among themselves: one wrapper per row layout, planned
+    once and run by every stage that sees the same rows (all of them in a step that moved no
+    row, such as a follow-up over a sparse cached prefix)."""
+    key = ("ragged", tuple(ctx.lens))
+    ragged = cache.get(key)
+    if ragged is None:
+        upd = backend.indices_updater_prefill
+        ragged = cache[key] = _wrapper(backend, "ragged", stage)
+        indptr = _host_indptr(ctx.lens)
+        ragged.plan(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
+                    causal=True, q_data_type=upd.q_data_type, non_blocking=True)
+    return ragged
+
+
 def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     """Plan (once per stage per forward) the wrappers of `stage`. Lengths come from the host:
     the prefix's valid KV at this stage (counted when the forward began) and the rows alive."""
@@ -161,11 +176,7 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     prefix_lens = [p[stage] for p in ctx.prefix_valid]
     upd = backend.indices_updater_prefill
     if backend.forward_metadata.use_ragged:
-        ragged = _wrapper(backend, "ragged", stage)
-        indptr = _host_indptr(ctx.lens)
-        ragged.plan(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
-                    causal=True, q_data_type=upd.q_data_type, non_blocking=True)
-        view = _StageView(ragged=ragged)
+        view = _StageView(ragged=_ragged_wrapper(backend, ctx, stage, cache))
         if any(prefix_lens):
             _, _, indices = prefix_view(runtime, req_to_token, fb, ctx, stage)
             view.prefix = _wrapper(backend, "prefix", stage)
@@ -257,7 +268,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     st = ADAPTER.state(backend)
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
-    counts, _, indices = decode_stage_views(
+    counts, _, indices = stage_views(
         runtime.slots, backend.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
         seq_lens_sum(fb, bs), bs)
     kv_lens = decode_stage_kv_lens(ctx, fb, bs, len(stages))
@@ -370,7 +381,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     sparse = not in_capture and decode_has_sparse(ctx)
     st = ADAPTER.state(backend)
     if sparse:
-        counts, _, _ = decode_stage_views(
+        counts, _, _ = stage_views(
             runtime.slots, backend.req_to_token_pool.req_to_token, rpi, seq_lens, n, raw_bs,
             outs=st.graph_indices, indptr_outs=st.graph_indptr,
         )

@@ -35,7 +35,7 @@ from uniprefill_sglang.backends.common import (
     write_kv,
 )
 from uniprefill_sglang.context import current, to_device
-from uniprefill_sglang.kv_validity import decode_stage_views
+from uniprefill_sglang.kv_validity import stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -148,7 +148,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
         return result
     bs = fb.req_pool_indices.shape[0]
     stages = stages_after_first(runtime)
-    counts, indptr, indices = decode_stage_views(
+    counts, indptr, indices = stage_views(
         runtime.slots, backend.req_to_token, fb.req_pool_indices, fb.seq_lens,
         seq_lens_sum(fb, bs), bs, dtype=torch.int64)
     out = {}
@@ -192,7 +192,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     ctx = current()
     if not in_capture and decode_has_sparse(ctx):
         raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
-        counts, _, _ = decode_stage_views(
+        counts, _, _ = stage_views(
             runtime.slots, backend.req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
             seq_lens_sum(fb, bs), raw_bs, outs=st.graph_indices, indptr_outs=st.graph_indptr,
         )
