@@ -13,6 +13,24 @@ it with ``--enable-uniprefill --disable-radix-cache``), or an ``sglang.Engine`` 
 ``--model`` (``smollm2`` / ``gemma3-270m`` from model_zoo, or a folder) and ``--engine-kwargs``
 (JSON); without CUDA that is SGLang's CPU engine (uniprefill_sglang/tools/cpu_engine.py, float32).
 
+RULER's families and haystacks: ``--tasks`` takes any of ``tasks.RULER_TASKS`` (adds multi-query,
+common- and frequent-words extraction) and the retrieval tasks; ``--haystacks noise,prose,essay``
+runs every needle task in each haystack (tools/haystacks.py). Every record carries both the
+project's strict check (``correct``: whole words, no distractor named) and the benchmark's own
+score (``score``, RULER's ``string_match_all``; ``bench_correct``: score 1); ``--scoring`` says
+which one the printed tables count. ``--seeds`` takes a list or a named set's first seeds
+(``reporting:2`` = 1000, 1001; tasks.TUNING_SEEDS / REPORTING_SEEDS); the seeds' set is recorded.
+
+Shared context (SCBench's modes, tools/shared_context_tasks.py): ``--shared-tasks kv,niah``
+adds cases of one context and ``--shared-queries`` queries, as separate requests
+(``multi_request``) or a conversation (``multi_turn``), ``--shared-modes``. The engine then runs
+with the radix cache on (every single case and every shared sequence starts from a flushed
+cache). Per case: dense with the cache (the follow-ups hit the cached context), and per
+UniPrefill configuration ``cache_on`` (the follow-ups reuse the first request's prefix, under the
+server's prefix policy) and ``cache_off`` (the cache flushed before every follow-up: each request
+selects for itself; its first request is ``cache_on``'s, the same request on an empty cache).
+Scored with SCBench's retrieval rule (the answer appears in the output).
+
 Sweeps (``--sweep``): ``none`` dense only; ``default`` dense vs UniPrefill at the engine's
 settings (top-p 0.99 unless --engine-kwargs say otherwise); ``top_p`` / ``keep_ratio`` per
 request in one engine; ``block_size`` / ``last_queries`` one engine per value (engine only).
@@ -20,6 +38,9 @@ request in one engine; ``block_size`` / ``last_queries`` one engine per value (e
     python benchmarks/eval_suite.py --out benchmarks/results/eval_smollm2_cpu.json
     python benchmarks/eval_suite.py --sweep top_p --lengths 2048 --depths 0.5 --out top_p.json
     python benchmarks/eval_suite.py --base-url http://127.0.0.1:30000 --lengths 8192,32768
+    python benchmarks/eval_suite.py --tasks niah_number,niah_multiquery,cwe \
+        --haystacks noise,prose --seeds reporting:2 --scoring benchmark --shared-tasks kv,niah \
+        --out ruler_scbench.json
 """
 
 from __future__ import annotations
@@ -71,6 +92,12 @@ class EngineTarget:
 
             self.engine = sglang.Engine(model_path=model_path, **engine_kwargs)
         self.startup_s = time.perf_counter() - t0
+
+    def flush_cache(self) -> None:
+        if not self.engine_kwargs.get("disable_radix_cache"):
+            from uniprefill_sglang.tools.cpu_engine import flush_cache
+
+            flush_cache(self.engine, timeout_s=120.0)
 
     def generate(self, input_ids: list, sampling_params: dict) -> dict:
         from uniprefill_sglang.tools.demo import timed_generate
@@ -130,7 +157,7 @@ def _result(chunk: Optional[dict], ttft: Optional[float], e2e: float) -> dict:
     return {"text": chunk.get("text", ""), "ttft_s": ttft, "e2e_s": e2e,
             "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"),
             "enabled": up.get("enabled"), "reason": up.get("reason"),
-            "kept_tokens": up.get("kept_tokens")}
+            "kept_tokens": up.get("kept_tokens"), "prefix": up.get("prefix")}
 
 
 def _use_cpu_engine() -> bool:
@@ -170,18 +197,33 @@ def configs_for(sweep: str) -> list[dict]:
 
 
 def _record(case, res: dict) -> dict:
-    return {**res, "correct": case.check(res["text"]), "recall": case.recall(res["text"])}
+    score = case.score(res["text"])
+    return {**res, "correct": case.check(res["text"]), "recall": case.recall(res["text"]),
+            "score": score, "bench_correct": score == 1.0}
+
+
+def case_label(case) -> str:
+    """The row label: the task, and its haystack unless that is the default noise."""
+    return case.task if case.haystack == "noise" else f"{case.task}/{case.haystack}"
 
 
 def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bool = True,
-              log=print) -> tuple[list[dict], dict]:
+              log=print, shared_cases: Sequence = (), only_dense_right: Optional[str] = None,
+              checkpoint=None) -> tuple[list[dict], dict]:
     """Serve every case dense and under every config. ``target_factory(engine_overrides)``
-    returns a target; configs with different engine kwargs get their own target (in turn)."""
+    returns a target; configs with different engine kwargs get their own target (in turn).
+    ``shared_cases`` (shared_context_tasks.SharedCase) run after the single cases in each
+    target (which must have its radix cache on); their rows are ``timing["shared_rows"]``.
+    ``only_dense_right`` (``"correct"`` or ``"bench_correct"``): skip the UniPrefill requests of a
+    single case dense gets wrong by that rule (its row has no run for the config).
+    ``checkpoint(rows, shared_rows)``, if given, is called after every case (partial results)."""
     from tqdm import tqdm
 
-    rows = [{"name": c.name, "task": c.task, "target_tokens": c.target_tokens,
+    rows = [{"name": c.name, "task": case_label(c), "family": c.task, "haystack": c.haystack,
+             "metric": c.metric, "target_tokens": c.target_tokens,
              "n_tokens": c.n_tokens, "depth": c.depth, "seed": c.seed, "answers": c.answers,
              "runs": {}} for c in cases]
+    shared_rows = [_shared_row(c) for c in shared_cases]
     groups: dict[str, list[dict]] = defaultdict(list)
     for cfg in configs:
         groups[json.dumps(cfg["engine"], sort_keys=True)].append(cfg)
@@ -197,13 +239,16 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
         try:
             # Warm-up, not recorded: an engine's first requests pay one-off costs that would
             # land on whichever of dense / UniPrefill goes first.
-            if cases:
-                warm = cases[0].input_ids[:1024]
+            if cases or shared_cases:
+                warm = (cases[0].input_ids if cases
+                        else shared_cases[0].queries[0].input_ids)[:1024]
                 for custom in (DENSE, {}):
                     _flush(target)
                     target.generate(warm, {"temperature": 0.0, "max_new_tokens": 2,
                                            "custom_params": custom})
-            n_req = len(cases) * (len(cfgs) + 1)
+            n_req = (len(cases) * (len(cfgs) + 1)
+                     + sum(len(c.queries) * (2 * len(cfgs) + 1) - len(cfgs)
+                           for c in shared_cases))
             bar = tqdm(total=n_req, desc=f"engine {overrides or 'default'}", unit="req",
                        disable=not progress, file=sys.stderr)
             for case, row in zip(cases, rows):
@@ -217,6 +262,9 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
                     row["dense"] = dense
                 bar.update(1)
                 for cfg in cfgs:
+                    if only_dense_right and not dense[only_dense_right]:
+                        bar.update(1)
+                        continue
                     _flush(target)
                     rec = _record(case, target.generate(
                         case.input_ids, {**sp, "custom_params": dict(cfg["custom"])}))
@@ -224,17 +272,69 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
                     row["runs"][cfg["name"]] = rec
                     bar.update(1)
                 bar.set_postfix_str(case.name)
+                if checkpoint:
+                    checkpoint(rows, shared_rows)
+            for case, row in zip(shared_cases, shared_rows):
+                _run_shared(target, case, row, cfgs, record_dense=not dense_done, bar=bar)
+                bar.set_postfix_str(case.name)
+                if checkpoint:
+                    checkpoint(rows, shared_rows)
             bar.close()
             dense_done = True
         finally:
             target.close()
         timing["engines"][-1]["total_s"] = time.perf_counter() - t0
+    if shared_cases:
+        timing["shared_rows"] = shared_rows
     return rows, timing
 
 
 def _flush(target) -> None:
     if hasattr(target, "flush_cache"):
         target.flush_cache()
+
+
+def _shared_row(case) -> dict:
+    return {"name": case.name, "task": f"shared_{case.task}" + (
+                "" if case.haystack == "noise" else f"/{case.haystack}"),
+            "mode": case.mode, "fmt": case.fmt, "target_tokens": case.target_tokens,
+            "seed": case.seed, "context_tokens": len(case.context_ids),
+            "queries": [{"turn": k, "n_tokens": len(q.input_ids), "answer": q.answer, "runs": {}}
+                        for k, q in enumerate(case.queries)]}
+
+
+def _shared_record(query, res: dict) -> dict:
+    score = query.score(res["text"])
+    return {**res, "correct": query.check(res["text"]), "score": score,
+            "bench_correct": score == 1.0}
+
+
+def _run_shared(target, case, row: dict, cfgs: list[dict], record_dense: bool, bar) -> None:
+    """Dense with the cache, then per config the cached sequence (``cache_on``) and the
+    follow-ups alone on a flushed cache (``cache_off``; its first request is ``cache_on``'s)."""
+    sp = {"temperature": 0.0, "max_new_tokens": case.max_new_tokens}
+
+    def send(q, custom):
+        return _shared_record(q, target.generate(q.input_ids, {**sp, "custom_params": custom}))
+
+    _flush(target)
+    for q, qrow in zip(case.queries, row["queries"]):
+        dense = send(q, DENSE)
+        if record_dense:
+            qrow["dense"] = dense
+        bar.update(1)
+    for cfg in cfgs:
+        custom = dict(cfg["custom"])
+        _flush(target)
+        on = [send(q, custom) for q in case.queries]
+        bar.update(len(on))
+        off = [on[0]]
+        for q in case.queries[1:]:
+            _flush(target)
+            off.append(send(q, custom))
+            bar.update(1)
+        for qrow, a, b in zip(row["queries"], on, off):
+            qrow["runs"][cfg["name"]] = {"cache_on": a, "cache_off": b}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +365,14 @@ def _cell(rs: Sequence[dict], name: Optional[str]) -> dict:
             "dense_recall": sum(r["dense"]["recall"] for r in rs) / n,
             "dense_ttft_s": sum(r["dense"]["ttft_s"] for r in rs) / n,
             "mean_tokens": sum(r["n_tokens"] for r in rs) / n}
+    if "score" in rs[0]["dense"]:
+        cell.update(_bench_cell(rs, name))
     if name is None:
+        return cell
+    # Rows without this config's run: skipped as dense got them wrong (--only-dense-right).
+    rs = [r for r in rs if name in r["runs"]]
+    cell["uniprefill_n"] = len(rs)
+    if not rs:
         return cell
     runs = [r["runs"][name] for r in rs]
     up_ok = sum(u["correct"] for u in runs)
@@ -276,12 +383,13 @@ def _cell(rs: Sequence[dict], name: Optional[str]) -> dict:
     for s in range(1, stages):
         num = sum(k[min(s, len(k) - 1)] for k in kept)
         per_stage.append(num / sum(k[0] for k in kept))
-    up_ttft = sum(u["ttft_s"] for u in runs) / n
-    dense_ttft = sum(u.get("dense_ttft_s", r["dense"]["ttft_s"]) for u, r in zip(runs, rs)) / n
+    up_ttft = sum(u["ttft_s"] for u in runs) / len(rs)
+    dense_ttft = (sum(u.get("dense_ttft_s", r["dense"]["ttft_s"]) for u, r in zip(runs, rs))
+                  / len(rs))
     reasons = sorted({u["reason"] for u in runs if u["reason"]})
     cell.update({
-        "uniprefill_correct": up_ok, "uniprefill_acc": up_ok / n,
-        "uniprefill_recall": sum(u["recall"] for u in runs) / n,
+        "uniprefill_correct": up_ok, "uniprefill_acc": up_ok / len(rs),
+        "uniprefill_recall": sum(u["recall"] for u in runs) / len(rs),
         "agree": agree, "agreement": agree / len(dense_ok) if dense_ok else None,
         "kept_ratio_per_stage": per_stage,
         "kept_ratio_final": per_stage[-1] if per_stage else 1.0,
@@ -292,9 +400,112 @@ def _cell(rs: Sequence[dict], name: Optional[str]) -> dict:
     return cell
 
 
-def markdown(summary: dict, name: Optional[str], lengths: Sequence[int], tasks: Sequence[str]) -> str:
-    """Task x length table of one config (or dense only)."""
+def _bench_cell(rs: Sequence[dict], name: Optional[str]) -> dict:
+    """The benchmark's own rule (RULER string_match_all / part): right = score 1."""
+    n = len(rs)
+    ok = [r for r in rs if r["dense"]["bench_correct"]]
+    cell = {"bench_dense_correct": len(ok),
+            "bench_dense_score": sum(r["dense"]["score"] for r in rs) / n}
+    if name is None:
+        return cell
+    ran = [r for r in rs if name in r["runs"]]
+    if not ran:
+        return cell
+    agree = sum(r["runs"][name]["bench_correct"] for r in ok)
+    cell.update({
+        "bench_uniprefill_correct": sum(r["runs"][name]["bench_correct"] for r in ran),
+        "bench_uniprefill_score": sum(r["runs"][name]["score"] for r in ran) / len(ran),
+        "bench_agree": agree, "bench_agreement": agree / len(ok) if ok else None,
+    })
+    return cell
+
+
+def summarize_shared(rows: Sequence[dict], configs: list[dict]) -> dict:
+    """Per config, per shared task / mode / length (and ``all``), first requests and
+    follow-ups apart, by SCBench's rule (``bench_correct``) and the strict check."""
+    out: dict[str, Any] = {}
+    for cfg in configs:
+        name = cfg["name"]
+        by: dict[tuple, list] = defaultdict(list)
+        for r in rows:
+            for key in ((r["task"], r["mode"], str(r["target_tokens"])),
+                        (r["task"], r["mode"], "all"), ("all", "all", str(r["target_tokens"])),
+                        ("all", "all", "all")):
+                by[key].append(r)
+        cells: dict = {}
+        for (task, mode, length), rs in sorted(by.items()):
+            cells.setdefault(task, {}).setdefault(mode, {})[length] = {
+                part: _shared_cell([q for r in rs for q in r["queries"] if sel(q["turn"])], name)
+                for part, sel in (("first", lambda t: t == 0), ("followup", lambda t: t > 0))}
+        out[name] = cells
+    return out
+
+
+def _shared_cell(qs: Sequence[dict], name: str) -> dict:
+    if not qs:
+        return {"n": 0}
+    cell: dict[str, Any] = {"n": len(qs), "mean_tokens": sum(q["n_tokens"] for q in qs) / len(qs)}
+    for rule in ("bench_correct", "correct"):
+        pre = "" if rule == "bench_correct" else "strict_"
+        ok = [q for q in qs if q["dense"][rule]]
+        cell[f"{pre}dense_correct"] = len(ok)
+        for mode in ("cache_on", "cache_off"):
+            cell[f"{pre}{mode}_correct"] = sum(q["runs"][name][mode][rule] for q in qs)
+            agree = sum(q["runs"][name][mode][rule] for q in ok)
+            cell[f"{pre}{mode}_agree"] = agree
+    for mode in ("cache_on", "cache_off"):
+        runs = [q["runs"][name][mode] for q in qs]
+        kept = [u["kept_tokens"] for u in runs if u["kept_tokens"]]
+        cell[f"{mode}_kept_final"] = (sum(k[-1] for k in kept) / sum(k[0] for k in kept)
+                                      if kept else None)
+        cell[f"{mode}_cached_tokens"] = sum(u["cached_tokens"] or 0 for u in runs) / len(runs)
+        actions = defaultdict(int)
+        for u in runs:
+            if u.get("prefix"):
+                actions[str(u["prefix"].get("action"))] += 1
+        cell[f"{mode}_prefix_actions"] = dict(actions)
+        reasons = defaultdict(int)
+        for u in runs:
+            reasons["dropped" if u["enabled"] else str(u["reason"])] += 1
+        cell[f"{mode}_outcomes"] = dict(reasons)
+        cell[f"{mode}_ttft_s"] = sum(u["ttft_s"] for u in runs) / len(runs)
+    cell["dense_ttft_s"] = sum(q["dense"]["ttft_s"] for q in qs) / len(qs)
+    return cell
+
+
+def shared_markdown(summary: dict, name: str, lengths: Sequence[int]) -> str:
+    cells = summary[name]
+    lines = ["| shared task | mode | length | requests | dense right | UniPrefill right, cache "
+             "off | agreement, cache off | UniPrefill right, cache on | agreement, cache on | "
+             "kept (cache off) | cached tokens / request (cache on) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for task in sorted(t for t in cells if t != "all") + ["all"]:
+        for mode in sorted(m for m in cells[task] if m != "all" or task == "all"):
+            for length in [*map(str, lengths), "all"]:
+                parts = cells[task][mode].get(length)
+                if parts is None:
+                    continue
+                for part in ("first", "followup"):
+                    c = parts[part]
+                    if not c["n"]:
+                        continue
+                    kept = c["cache_off_kept_final"]
+                    lines.append(
+                        f"| {task} | {mode} | {length} {part} | {c['n']} | {c['dense_correct']} "
+                        f"| {c['cache_off_correct']} | {c['cache_off_agree']}/{c['dense_correct']}"
+                        f" | {c['cache_on_correct']} | {c['cache_on_agree']}/{c['dense_correct']}"
+                        f" | {'-' if kept is None else f'{kept:.0%}'} | "
+                        f"{c['cache_on_cached_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
+def markdown(summary: dict, name: Optional[str], lengths: Sequence[int], tasks: Sequence[str],
+             scoring: str = "strict") -> str:
+    """Task x length table of one config (or dense only); ``scoring="benchmark"`` counts by the
+    benchmark's own rule (``bench_*`` keys)."""
     cells = summary[name or "dense"]
+    if scoring == "benchmark":
+        cells = {t: {L: _as_bench(c) for L, c in by_len.items()} for t, by_len in cells.items()}
     if name is None:
         head = "| task | length | cases | dense correct | mean tokens | dense TTFT s |"
         lines = [head, "|---|---|---|---|---|---|"]
@@ -311,11 +522,25 @@ def markdown(summary: dict, name: Optional[str], lengths: Sequence[int], tasks: 
                 lines.append(f"| {task} | {length} | {c['n']} | {c['dense_correct']} | "
                              f"{c['mean_tokens']:.0f} | {c['dense_ttft_s']:.2f} |")
                 continue
+            if "uniprefill_correct" not in c:  # every case skipped (dense wrong)
+                lines.append(f"| {task} | {length} | {c['n']} | {c['dense_correct']} | - | - "
+                             "| - | - |")
+                continue
             ag = "-" if c["agreement"] is None else f"{c['agree']}/{c['dense_correct']}"
             kept = ", ".join(f"{k:.0%}" for k in c["kept_ratio_per_stage"]) or "100%"
+            up = (f"{c['uniprefill_correct']}" if c["uniprefill_n"] == c["n"]
+                  else f"{c['uniprefill_correct']} of {c['uniprefill_n']} run")
             lines.append(f"| {task} | {length} | {c['n']} | {c['dense_correct']} | "
-                         f"{c['uniprefill_correct']} | {ag} | {kept} | {c['ttft_ratio']:.2f}x |")
+                         f"{up} | {ag} | {kept} | {c['ttft_ratio']:.2f}x |")
     return "\n".join(lines)
+
+
+def _as_bench(c: dict) -> dict:
+    c = dict(c)
+    for key in ("dense_correct", "uniprefill_correct", "agree", "agreement"):
+        if f"bench_{key}" in c:
+            c[key] = c[f"bench_{key}"]
+    return c
 
 
 def sweep_markdown(summary: dict, configs: list[dict]) -> str:
@@ -357,7 +582,8 @@ def plot(summary: dict, configs: list[dict], tasks: Sequence[str], lengths: Sequ
                              squeeze=False)
     for ax, (label, name, key) in zip(axes[0], panels):
         cells = summary[name or "dense"]
-        grid = np.array([[cells[t][str(L)][key] for L in lengths] for t in tasks], dtype=float)
+        grid = np.array([[cells[t].get(str(L), {}).get(key, np.nan) for L in lengths]
+                          for t in tasks], dtype=float)
         ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
         ax.set_yticks(range(len(tasks)), tasks if ax is axes[0][0] else [""] * len(tasks),
@@ -428,8 +654,18 @@ def _machine() -> str:
     return f"CPU {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB"
 
 
+def _task_spec(spec: str, lengths: list, haystacks: list) -> tuple[str, list, list]:
+    """``TASK[/HAYSTACK][@L1+L2]`` -> (task, lengths, haystacks)."""
+    spec, _, at = spec.partition("@")
+    task, _, hay = spec.partition("/")
+    return (task, [int(x) for x in at.split("+")] if at else lengths,
+            [hay] if hay else haystacks)
+
+
 def parse_args(argv=None):
-    from uniprefill_sglang.tools.tasks import FORMATS, RETRIEVAL_TASKS, TASKS
+    from uniprefill_sglang.tools.haystacks import HAYSTACKS
+    from uniprefill_sglang.tools.shared_context_tasks import SHARED_FORMATS, SHARED_MODES
+    from uniprefill_sglang.tools.tasks import FORMATS, RETRIEVAL_TASKS, RULER_TASKS, TASKS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     tgt = ap.add_mutually_exclusive_group()
@@ -439,11 +675,29 @@ def parse_args(argv=None):
     ap.add_argument("--engine-kwargs", default="{}",
                     help='JSON of sglang.Engine kwargs, e.g. \'{"dtype": "bfloat16"}\'')
     ap.add_argument("--tasks", default=",".join(TASKS),
-                    help=f"comma list of {TASKS + RETRIEVAL_TASKS}")
+                    help=f"comma list of {RULER_TASKS + RETRIEVAL_TASKS} (may be empty); an "
+                         "entry TASK/HAYSTACK sets that task's haystacks (instead of "
+                         "--haystacks), TASK@L1+L2 its lengths (instead of --lengths), e.g. "
+                         "niah_number/prose,cwe@2048")
+    ap.add_argument("--haystacks", default="noise",
+                    help=f"comma list of {HAYSTACKS}: the needle tasks run in each")
     ap.add_argument("--lengths", default="1024,2048,4096",
                     help="prompt token budgets (SmolLM2: up to 8000; its context is 8192)")
     ap.add_argument("--depths", default="0.5", help="needle depths in [0, 1], e.g. 0.1,0.5,0.9")
-    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--seeds", default="0",
+                    help="comma list, or a named set's first seeds: reporting:2, tuning:3")
+    ap.add_argument("--scoring", default="strict", choices=("strict", "benchmark"),
+                    help="what the printed tables count: the strict check or the benchmark's "
+                         "own rule (both are in the JSON)")
+    ap.add_argument("--only-dense-right", action="store_true",
+                    help="skip UniPrefill on single cases dense gets wrong (by --scoring)")
+    ap.add_argument("--shared-tasks", default="",
+                    help="comma list of shared-context tasks (kv, niah); radix cache on")
+    ap.add_argument("--shared-modes", default=",".join(SHARED_MODES))
+    ap.add_argument("--shared-queries", type=int, default=3)
+    ap.add_argument("--shared-fmt", default="plain", choices=SHARED_FORMATS)
+    ap.add_argument("--shared-lengths", default=None, help="default: --lengths")
+    ap.add_argument("--shared-haystacks", default=None, help="niah's; default: --haystacks")
     ap.add_argument("--fmt", default="plain", choices=FORMATS)
     ap.add_argument("--sweep", default="default", choices=SWEEPS)
     ap.add_argument("--out", default="eval_suite.json", help="JSON path; PNG(s) beside it")
@@ -460,13 +714,24 @@ def main(argv=None) -> dict:
         activate_cpu_engine_env()  # before anything imports sglang
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.tools.tasks import fingerprint, make_cases
+    from uniprefill_sglang.tools.shared_context_tasks import make_shared_cases
+    from uniprefill_sglang.tools.tasks import (HAYSTACK_TASKS, fingerprint, make_cases,
+                                              parse_seeds, seed_set)
 
     tasks = [t for t in args.tasks.split(",") if t]
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = parse_seeds(args.seeds)
+    haystacks = [h for h in args.haystacks.split(",") if h]
+    shared_tasks = [t for t in args.shared_tasks.split(",") if t]
+    shared_modes = [m for m in args.shared_modes.split(",") if m]
+    shared_lengths = ([int(x) for x in args.shared_lengths.split(",")] if args.shared_lengths
+                      else lengths)
+    shared_haystacks = ([h for h in args.shared_haystacks.split(",") if h]
+                        if args.shared_haystacks else haystacks)
     configs = configs_for(args.sweep)
+    if shared_tasks and args.sweep in ("none",):
+        raise SystemExit("--shared-tasks compares UniPrefill with dense: use a sweep with configs")
     started = datetime.datetime.now(datetime.timezone.utc)
     t_all = time.perf_counter()
 
@@ -480,20 +745,45 @@ def main(argv=None) -> dict:
         probe.close = lambda: None  # kept open across groups; closed below
     else:
         model_path = resolve_model(args.model)
-        base_kwargs = {"enable_uniprefill": True, "disable_radix_cache": True, **engine_kwargs}
+        # The shared-context cases need the radix cache (flushed before every other request).
+        base_kwargs = {"enable_uniprefill": True, "disable_radix_cache": not shared_tasks,
+                       **engine_kwargs}
 
         def factory(overrides):
             return EngineTarget(model_path, {**base_kwargs, **overrides})
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     t0 = time.perf_counter()
-    cases = make_cases(tokenizer, tasks, lengths, depths, seeds, args.fmt)
+    cases = []
+    for spec in tasks:
+        task, task_lengths, task_haystacks = _task_spec(spec, lengths, haystacks)
+        cases += make_cases(tokenizer, [task], task_lengths, depths, seeds, args.fmt,
+                            task_haystacks)
+    shared = make_shared_cases(tokenizer, shared_tasks, shared_modes, shared_lengths, seeds,
+                               args.shared_queries, args.shared_fmt, shared_haystacks)
     gen_s = time.perf_counter() - t0
-    print(f"{len(cases)} cases ({len(tasks)} tasks x {len(lengths)} lengths x {len(depths)} "
-          f"depths x {len(seeds)} seeds), generated in {gen_s:.1f} s, fingerprint "
-          f"{fingerprint(cases)}; {len(configs)} UniPrefill configs", flush=True)
-    rows, timing = run_suite(factory, cases, configs, progress=not args.no_progress)
+    print(f"{len(cases)} cases ({len(tasks)} tasks x {len(haystacks)} haystacks x "
+          f"{len(lengths)} lengths x {len(depths)} depths x {len(seeds)} seeds), "
+          f"{len(shared)} shared-context cases ({sum(len(c.queries) for c in shared)} queries), "
+          f"generated in {gen_s:.1f} s, fingerprint {fingerprint(cases)}; {len(configs)} "
+          "UniPrefill configs", flush=True)
+    rule = "bench_correct" if args.scoring == "benchmark" else "correct"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.stem + ".partial.json")
+
+    def checkpoint(rows, shared_rows):  # what is done so far, removed once the run completes
+        partial.write_text(json.dumps({"cases": rows, "shared_cases": shared_rows}, indent=1))
+
+    rows, timing = run_suite(factory, cases, configs, progress=not args.no_progress,
+                             shared_cases=shared,
+                             only_dense_right=rule if args.only_dense_right else None,
+                             checkpoint=checkpoint)
+    shared_rows = timing.pop("shared_rows", [])
     summary = summarize(rows, configs)
+    shared_summary = summarize_shared(shared_rows, configs) if shared_rows else {}
+    labels = list(dict.fromkeys(r["task"] for r in rows))
+    all_lengths = sorted({r["target_tokens"] for r in rows})
     duration = time.perf_counter() - t_all
     result = {
         "header": result_header(model=model_path, argv=[
@@ -505,23 +795,37 @@ def main(argv=None) -> dict:
             "command": " ".join([os.path.relpath(sys.argv[0]) if sys.argv else "eval_suite",
                                  *(argv if argv is not None else sys.argv[1:])]),
             "tasks": tasks, "lengths": lengths, "depths": depths, "seeds": seeds,
+            "seed_sets": sorted({seed_set(s) for s in seeds}), "haystacks": haystacks,
+            "haystack_tasks": [t for t in tasks if _task_spec(t, [], [])[0] in HAYSTACK_TASKS],
+            "scoring": args.scoring, "only_dense_right": args.only_dense_right,
+            "shared": {"tasks": shared_tasks, "modes": shared_modes, "lengths": shared_lengths,
+                       "queries": args.shared_queries, "fmt": args.shared_fmt,
+                       "haystacks": shared_haystacks, "n_cases": len(shared)},
             "fmt": args.fmt, "sweep": args.sweep, "n_cases": len(cases),
             "case_fingerprint": fingerprint(cases), "case_generation_s": gen_s, **timing,
         },
         "configs": configs, "summary": summary, "cases": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if shared_rows:
+        result.update({"shared_summary": shared_summary, "shared_cases": shared_rows})
     out.write_text(json.dumps(result, indent=1))
+    partial.unlink(missing_ok=True)
     title = (f"{Path(model_path).name}, {args.sweep}, {len(cases)} cases, "
              f"{started.date().isoformat()}")
-    pngs = plot(summary, configs, tasks, lengths, str(out.with_suffix(".png")), title)
+    pngs = (plot(summary, configs, labels, all_lengths, str(out.with_suffix(".png")), title)
+            if rows else [])
     result["meta"]["pngs"] = pngs
     out.write_text(json.dumps(result, indent=1))
-    if args.sweep in ("none", "default"):
-        print(markdown(summary, configs[0]["name"] if configs else None, lengths, tasks))
+    if not rows:
+        pass
+    elif args.sweep in ("none", "default"):
+        print(markdown(summary, configs[0]["name"] if configs else None, all_lengths, labels,
+                       args.scoring))
     else:
         print(sweep_markdown(summary, configs))
+    for cfg in configs if shared_rows else []:
+        print(f"shared context, {cfg['name']} (SCBench's rule):")
+        print(shared_markdown(shared_summary, cfg["name"], shared_lengths))
     print(f"wrote {out} and {', '.join(pngs)} in {duration / 60:.1f} min")
     return result
 

@@ -21,7 +21,9 @@ Two steps, so that the search stays cheap:
    those whose estimated agreement meets the target, on the calibration cases dense answers
    right. The schedule with the largest FLOP saving whose confirmed agreement meets the target
    wins, and is run again on held-out cases (other seeds and depths) that neither step saw.
-   Agreements in the profile and the table are the confirmed ones.
+   Agreements in the profile and the table are the confirmed ones. Calibration and held-out
+   seeds both come from ``tasks.TUNING_SEEDS``; the ``REPORTING_SEEDS`` that reported figures
+   use are refused.
 
 FLOP saving: the prefill FLOPs of the kept tokens per stage (attention and MLP per layer; the
 drop layer's attention still sees every token, its MLP only the survivors) against dense.
@@ -624,9 +626,12 @@ def parse_args(argv=None):
     ap.add_argument("--tasks", default=",".join(NEEDLE_TASKS))
     ap.add_argument("--depths", default="0.2,0.5,0.8",
                     help="calibration needle depths, cycled over the task x length grid")
-    ap.add_argument("--seeds", default="0", help="calibration seeds")
+    ap.add_argument("--seeds", default="0",
+                    help="calibration seeds (from tasks.TUNING_SEEDS, 0-999)")
     ap.add_argument("--heldout-depths", default="0.1,0.4,0.7,0.9")
-    ap.add_argument("--heldout-seeds", default="1", help="held-out seeds (none of --seeds)")
+    ap.add_argument("--heldout-seeds", default="1",
+                    help="held-out seeds (none of --seeds; also from tasks.TUNING_SEEDS: the "
+                         "REPORTING_SEEDS stay unseen by calibration)")
     ap.add_argument("--top-p", default=",".join(map(str, TOP_P_GRID)), help="top-p candidates")
     ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
     ap.add_argument("--max-drops", type=int, default=MAX_DROPS)
@@ -649,6 +654,13 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if set(_ints(args.seeds)) & set(_ints(args.heldout_seeds)):
         ap.error("--heldout-seeds must not share a seed with --seeds")
+    from uniprefill_sglang.tools.tasks import TUNING_SEEDS
+
+    outside = sorted(set(_ints(args.seeds) + _ints(args.heldout_seeds)) - set(TUNING_SEEDS))
+    if outside:
+        ap.error(f"seeds {outside} are not tuning seeds (tasks.TUNING_SEEDS, "
+                 f"{TUNING_SEEDS[0]}-{TUNING_SEEDS[-1]}): calibration never sees the reporting "
+                 "seeds")
     return args
 
 
@@ -735,8 +747,10 @@ def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
 def _cases(setup: Setup, seeds, depths) -> list:
     """One case per cell of the seed x length x task grid, the depths cycling over the grid
     (varied needle positions)."""
-    from uniprefill_sglang.tools.tasks import make_case
+    from uniprefill_sglang.tools.tasks import TUNING_SEEDS, make_case
 
+    if not set(seeds) <= set(TUNING_SEEDS):
+        raise ValueError(f"calibration uses tuning seeds only; got {sorted(seeds)}")
     grid = [(s, L, t) for s in seeds for L in setup.lengths for t in setup.tasks]
     grid = grid[:setup.args.max_cases] if setup.args.max_cases else grid
     return [make_case(setup.tokenizer, t, L, depths[i % len(depths)], s)

@@ -17,6 +17,20 @@ asked-for item. The RULER-style suite (``TASKS``, what ``benchmarks/eval_suite.p
   made-up places, one of which answers the question (at ``depth``), the rest are distractors of
   the same template about other places.
 
+``RULER_TASKS`` adds RULER's remaining synthetic families (the last two in
+``aggregation_tasks.py``):
+
+* ``niah_multiquery``: four needles with different keys, all four asked at once.
+* ``cwe``: common-words extraction, a numbered list of words where ten words recur often and
+  the rest a few times each; asked for the ten common ones.
+* ``fwe``: frequent-words extraction, a "coded text" of made-up words drawn Zipf-like; asked
+  for the three most frequent.
+
+The needle tasks (``HAYSTACK_TASKS``) take ``haystack``: ``noise`` (the default, RULER's
+repeated noise sentences), ``prose`` (plain sentences of our own) or ``essay`` (an essay of our
+own, repeated); see ``haystacks.py``. Shared-context cases (one context, several questions, as
+SCBench sends them) are built by ``shared_context_tasks.py``.
+
 Two simpler retrieval tasks (``RETRIEVAL_TASKS``, the CPU fidelity test and the demo):
 
 * ``passkey``: a 5-digit pass key hidden at ``depth`` inside the noise sentences.
@@ -27,8 +41,13 @@ Two simpler retrieval tasks (``RETRIEVAL_TASKS``, the CPU fidelity test and the 
   sentence lines 4/6, 4 colon lines 3/6, 16 lines 1/6, a context made only of key-value lines
   (the classic KV-retrieval task) 0/6, which is why that variant is not generated.
 
-A case is correct when every expected answer appears in the output as a whole word
-(case-insensitive) and no wrong answer does.
+A case is correct (``check``) when every expected answer appears in the output as a whole word
+(case-insensitive) and no wrong answer does. ``score`` is RULER's own rule instead
+(``scoring.py``): the fraction of the answers found as substrings (``string_match_all``; ``qa``:
+``string_match_part``), with no penalty for naming a distractor.
+
+Seeds: ``TUNING_SEEDS`` (what calibration and any other choice of settings may look at) and
+``REPORTING_SEEDS`` (what reported figures use) are disjoint; ``seed_set`` names a seed's set.
 
 Prompts are ``fmt="plain"`` (context, question, then an answer primer the model completes:
 what SmolLM2-135M-Instruct does best, e.g. pass key at 1K 6/6 plain, 4/6 chat), ``fmt="chat"``
@@ -36,7 +55,8 @@ what SmolLM2-135M-Instruct does best, e.g. pass key at 1K 6/6 plain, 4/6 chat), 
 ``fmt="chat_noprimer"`` (chat template, no primer). Token ids are the tokenizer's own encoding
 *with* its special tokens (Gemma's ``<bos>``; SmolLM2 adds none).
 
-Randomness comes only from ``random.Random(f"{task}:{seed}")``: the same task and seed give the
+Randomness comes only from ``random.Random(f"{task}:{seed}")`` (and the ``prose`` haystack's
+``random.Random(f"prose:{seed}:{round}")``): the same task and seed give the
 same key, value and distractors at every length and depth (only the haystack and the position
 change), and the same tokenizer gives the same ids on every machine.
 
@@ -55,6 +75,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from uniprefill_sglang.tools import haystacks as _haystacks
+from uniprefill_sglang.tools import scoring as _scoring
+
 TASKS = (
     "niah_number",
     "niah_uuid",
@@ -65,6 +88,10 @@ TASKS = (
     "qa",
 )
 RETRIEVAL_TASKS = ("passkey", "kv")
+RULER_TASKS = TASKS + ("niah_multiquery", "cwe", "fwe")
+# Tasks whose context is a haystack with needles in it (the ``haystack`` parameter).
+HAYSTACK_TASKS = ("niah_number", "niah_uuid", "niah_word", "niah_multikey", "niah_multivalue",
+                  "niah_multiquery", "vt", "passkey", "kv")
 FORMATS = ("plain", "chat", "chat_noprimer")
 KV_STYLES = ("sentence", "colon")
 
@@ -79,15 +106,39 @@ MAX_NEW_TOKENS = {
     "qa": 10,
     "passkey": 12,
     "kv": 12,
+    "niah_multiquery": 40,
+    "cwe": 64,
+    "fwe": 24,
 }
 
-FILLER_SENTENCES = (
-    "The grass is green.",
-    "The sky is blue.",
-    "The sun is yellow.",
-    "Here we go.",
-    "There and back again.",
-)
+# Disjoint named seed sets: calibration (and any tuning) draws from the first only, reported
+# figures from the second only.
+TUNING_SEEDS = tuple(range(0, 1000))
+REPORTING_SEEDS = tuple(range(1000, 2000))
+
+
+def seed_set(seed: int) -> str:
+    """``"tuning"`` or ``"reporting"``; a seed in neither raises."""
+    if seed in TUNING_SEEDS:
+        return "tuning"
+    if seed in REPORTING_SEEDS:
+        return "reporting"
+    raise ValueError(f"seed {seed} is in neither TUNING_SEEDS nor REPORTING_SEEDS")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1"``, or a named set's first seeds: ``"reporting:3"`` (1000, 1001, 1002),
+    ``"tuning:2"``."""
+    if ":" in text:
+        name, k = text.split(":", 1)
+        sets = {"tuning": TUNING_SEEDS, "reporting": REPORTING_SEEDS}
+        if name not in sets:
+            raise ValueError(f"unknown seed set {name!r}; expected tuning or reporting")
+        return list(sets[name][:int(k)])
+    return [int(x) for x in text.split(",") if x]
+
+
+FILLER_SENTENCES = _haystacks.NOISE_SENTENCES
 
 _WORDS = (
     "apple", "river", "candle", "falcon", "harbor", "meadow", "pepper", "silver", "tunnel",
@@ -119,6 +170,8 @@ class EvalCase:
     max_new_tokens: int
     wrong_answers: list[str] = field(default_factory=list)  # none may appear
     meta: dict[str, Any] = field(default_factory=dict)
+    haystack: str = "noise"
+    metric: str = "string_match_all"  # the benchmark's own rule (scoring.py)
 
     @property
     def n_tokens(self) -> int:
@@ -127,7 +180,12 @@ class EvalCase:
     @property
     def name(self) -> str:
         variant = f"-{self.meta['variant']}" if "variant" in self.meta else ""
-        return f"{self.task}{variant}-{self.target_tokens}-d{self.depth:g}-s{self.seed}"
+        hay = "" if self.haystack == "noise" else f"-{self.haystack}"
+        return f"{self.task}{variant}{hay}-{self.target_tokens}-d{self.depth:g}-s{self.seed}"
+
+    def score(self, output_text: str) -> float:
+        """The benchmark's own score of an output (RULER's rule: ``metric``), in [0, 1]."""
+        return _scoring.score(self.metric, output_text, self.answers)
 
     def recall(self, output_text: str) -> float:
         """Fraction of the expected answers found in the output."""
@@ -214,7 +272,12 @@ _NIAH_LINE = "The special magic {kind} for {key} is: {value}."
 _KIND_NOUN = {"number": "number", "uuid": "uuid", "word": "word"}
 
 
-def _niah(rng, kind: str, depth: float, n_keys: int, n_values: int):
+def _niah(rng, kind: str, depth: float, n_keys: int, n_values: int, fill=None,
+          n_queries: int = 1):
+    """Needles "The special magic <kind> for <key> is: <value>."; key 0 (n_values values) at
+    ``depth``, the other keys (one value each) at seeded positions; the first ``n_queries`` keys
+    are asked (the rest are distractors)."""
+    fill = fill or _noise
     noun = _KIND_NOUN[kind]
     used_k: set = set()
     used_v: set = set()
@@ -228,7 +291,12 @@ def _niah(rng, kind: str, depth: float, n_keys: int, n_values: int):
     for pos, k, vs in zip(_spread(rng, n_keys - 1), keys[1:], values[1:]):
         items.append((pos, _NIAH_LINE.format(kind=noun, key=k, value=vs[0])))
     head = _NIAH_HEAD.format(kind=noun)
-    if n_values == 1:
+    if n_queries > 1:
+        asked = keys[:n_queries]
+        names = ", ".join(asked[:-1]) + f" and {asked[-1]}"
+        question = f"What are all the special magic {noun}s for {names} mentioned in the text?"
+        primer = f"The special magic {noun}s for {names} mentioned in the text are:"
+    elif n_values == 1:
         question = f"What is the special magic {noun} for {keys[0]} mentioned in the text?"
         primer = f"The special magic {noun} for {keys[0]} mentioned in the text is:"
     else:
@@ -237,13 +305,17 @@ def _niah(rng, kind: str, depth: float, n_keys: int, n_values: int):
         primer = f"The special magic {noun}s for {keys[0]} mentioned in the text are:"
 
     def build(n: int):
-        return " ".join([head, *_insert(_noise(n), items)]), question, primer
+        return " ".join([head, *_insert(fill(n), items)]), question, primer
 
-    meta = {"key": keys[0], "distractor_keys": keys[1:], "positions": [p for p, _ in items]}
+    meta = {"key": keys[0], "distractor_keys": keys[n_queries:],
+            "positions": [p for p, _ in items]}
+    if n_queries > 1:
+        return build, [vs[0] for vs in values[:n_queries]], {**meta, "keys": keys[:n_queries]}
     return build, list(values[0]), meta
 
 
-def _vt(rng, depth: float, hops: int = 4):
+def _vt(rng, depth: float, hops: int = 4, fill=None):
+    fill = fill or _noise
     used: set = set()
     names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
              for _ in range(hops + 1)]
@@ -264,7 +336,7 @@ def _vt(rng, depth: float, hops: int = 4):
               f"{hops + 1} variables are assigned the value {value}, they are:")
 
     def build(n: int):
-        return " ".join([head, *_insert(_noise(n), items)]), question, primer
+        return " ".join([head, *_insert(fill(n), items)]), question, primer
 
     return build, list(names), {"value": value, "chain": names}
 
@@ -330,7 +402,8 @@ def _qa(rng, depth: float):
     return build, [answer], {"place": place, "template": t, "unit_tokens": 10}
 
 
-def _passkey(rng, depth: float):
+def _passkey(rng, depth: float, fill=None):
+    fill = fill or _noise
     key = str(rng.randint(10000, 99999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     # The classic "There is an important info hidden..." preamble made SmolLM2 answer "the pass
@@ -339,7 +412,7 @@ def _passkey(rng, depth: float):
             "Find it and memorize it. I will quiz you about the pass key.")
 
     def build(n: int):
-        context = " ".join([head, *_insert(_noise(n), [(depth, needle)])])
+        context = " ".join([head, *_insert(fill(n), [(depth, needle)])])
         return context, "What is the pass key?", "The pass key is"
 
     return build, [key], {"needle": needle}
@@ -349,7 +422,8 @@ def _kv_line(style: str, key: str, value: str) -> str:
     return f"The value of key {key} is {value}." if style == "sentence" else f"{key}: {value}"
 
 
-def _kv(rng, depth: float, n_pairs: int, style: str):
+def _kv(rng, depth: float, n_pairs: int, style: str, fill=None):
+    fill = fill or _noise
     if style not in KV_STYLES:
         raise ValueError(f"unknown kv_style {style!r}; expected one of {KV_STYLES}")
     if n_pairs < 1:
@@ -372,9 +446,9 @@ def _kv(rng, depth: float, n_pairs: int, style: str):
     block = "\n".join(_kv_line(style, k, v) for k, v in pairs)
 
     def build(n: int):
-        fill = _noise(n)
+        units = fill(n)
         pos = round(depth * n)
-        context = f"{head} {' '.join(fill[:pos])}\n{block}\n{' '.join(fill[pos:])}"
+        context = f"{head} {' '.join(units[:pos])}\n{block}\n{' '.join(units[pos:])}"
         return context, question, primer
 
     meta = {"variant": f"{style}{n_pairs}", "key": key, "index": asked,
@@ -417,55 +491,85 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def make_case(tokenizer, task: str, target_tokens: int, depth: float = 0.5, seed: int = 0,
-              fmt: str = "plain", *, kv_pairs: int = 4, kv_style: str = "sentence") -> EvalCase:
+              fmt: str = "plain", *, kv_pairs: int = 4, kv_style: str = "sentence",
+              haystack: str = "noise") -> EvalCase:
     """One case of ``task`` whose prompt is as long as possible within ``target_tokens``.
 
-    ``kv_pairs`` and ``kv_style`` shape the ``kv`` task only (see the module docstring).
+    ``kv_pairs`` and ``kv_style`` shape the ``kv`` task only (see the module docstring);
+    ``haystack`` (``haystacks.HAYSTACKS``) the filler of the ``HAYSTACK_TASKS``.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError("depth must be in [0, 1]")
     if fmt not in FORMATS:
         raise ValueError(f"unknown fmt {fmt!r}; expected one of {FORMATS}")
+    if haystack not in _haystacks.HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; expected one of "
+                         f"{_haystacks.HAYSTACKS}")
+    if haystack != "noise" and task not in HAYSTACK_TASKS:
+        raise ValueError(f"task {task!r} has no haystack; haystack applies to {HAYSTACK_TASKS}")
     rng = random.Random(f"{task}:{seed}")
+
+    def fill(n: int) -> list[str]:
+        return _haystacks.units(haystack, n, seed)
+
+    metric = "string_match_all"
     if task in ("niah_number", "niah_uuid", "niah_word"):
-        build, answers, meta = _niah(rng, task.split("_")[1], depth, 1, 1)
+        build, answers, meta = _niah(rng, task.split("_")[1], depth, 1, 1, fill)
     elif task == "niah_multikey":
-        build, answers, meta = _niah(rng, "number", depth, 4, 1)
+        build, answers, meta = _niah(rng, "number", depth, 4, 1, fill)
     elif task == "niah_multivalue":
-        build, answers, meta = _niah(rng, "number", depth, 1, 4)
+        build, answers, meta = _niah(rng, "number", depth, 1, 4, fill)
+    elif task == "niah_multiquery":
+        build, answers, meta = _niah(rng, "number", depth, 4, 1, fill, n_queries=4)
     elif task == "vt":
-        build, answers, meta = _vt(rng, depth)
+        build, answers, meta = _vt(rng, depth, fill=fill)
     elif task == "qa":
         build, answers, meta = _qa(rng, depth)
+        metric = "string_match_part"
     elif task == "passkey":
-        build, answers, meta = _passkey(rng, depth)
+        build, answers, meta = _passkey(rng, depth, fill)
     elif task == "kv":
-        build, answers, meta = _kv(rng, depth, kv_pairs, kv_style)
+        build, answers, meta = _kv(rng, depth, kv_pairs, kv_style, fill)
+    elif task in ("cwe", "fwe"):
+        from uniprefill_sglang.tools import aggregation_tasks
+
+        build, answers, meta = aggregation_tasks.build(task, rng, target_tokens)
     else:
-        raise ValueError(f"unknown task {task!r}; expected one of {TASKS + RETRIEVAL_TASKS}")
+        raise ValueError(f"unknown task {task!r}; expected one of "
+                         f"{RULER_TASKS + RETRIEVAL_TASKS}")
 
     def text(n: int) -> str:
         return _format(tokenizer, fmt, *build(n))
 
     # Upper bound on haystack units: a noise sentence is >= 3 tokens, a document >= 10.
-    hi = max(1, target_tokens // meta.pop("unit_tokens", 3))
+    unit_tokens = meta.pop("unit_tokens", _haystacks.min_unit_tokens(haystack))
+    hi = max(1, target_tokens // unit_tokens)
     n = _fit(lambda n: encode(tokenizer, text(n)), target_tokens, hi=hi)
     prompt = text(n)
     _, question, _ = build(n)
     return EvalCase(task=task, target_tokens=target_tokens, depth=depth, seed=seed, fmt=fmt,
                     prompt=prompt, input_ids=encode(tokenizer, prompt), answers=answers,
                     question=question, max_new_tokens=MAX_NEW_TOKENS[task],
-                    wrong_answers=meta.pop("wrong_answers", []), meta={**meta, "n_units": n})
+                    wrong_answers=meta.pop("wrong_answers", []), meta={**meta, "n_units": n},
+                    haystack=haystack, metric=metric)
 
 
 def make_cases(tokenizer, tasks: Iterable[str] = TASKS,
                lengths: Iterable[int] = (1024, 2048, 4096, 8192),
                depths: Iterable[float] = (0.1, 0.5, 0.9), seeds: Iterable[int] = (0,),
-               fmt: str = "plain") -> list[EvalCase]:
-    """The task x length x depth x seed grid, in that nesting order."""
-    lengths, depths, seeds = list(lengths), list(depths), list(seeds)
-    return [make_case(tokenizer, t, L, d, s, fmt)
-            for t in tasks for L in lengths for d in depths for s in seeds]
+               fmt: str = "plain", haystacks: Iterable[str] = ("noise",)) -> list[EvalCase]:
+    """The task x haystack x length x depth x seed grid, in that nesting order; a task without
+    a haystack (``qa``, ``cwe``, ``fwe``) is generated once, not once per haystack.
+    ``depths`` place the needle; the aggregation tasks (``cwe``, ``fwe``) have no needle and
+    are generated at the first depth only."""
+    lengths, depths, seeds, haystacks = list(lengths), list(depths), list(seeds), list(haystacks)
+    out = []
+    for t in tasks:
+        hays = haystacks if t in HAYSTACK_TASKS else ["noise"]
+        ds = depths if t not in ("cwe", "fwe") else depths[:1]
+        out += [make_case(tokenizer, t, L, d, s, fmt, haystack=h)
+                for h in hays for L in lengths for d in ds for s in seeds]
+    return out
 
 
 def fingerprint(cases: Sequence[EvalCase]) -> str:

@@ -1,0 +1,134 @@
+"""Haystacks for the needle tasks: the text a needle hides in, written for this project.
+
+RULER (Hsieh et al., 2024) hides its needles in one of a few kinds of filler; these are local
+stand-ins of the same three shapes, in our own words:
+
+* ``noise``: the same five short sentences over and over ("The grass is green. The sky is
+  blue. ..."): no content a needle could be confused with, and trivially repetitive.
+* ``prose``: plain sentences about a small town's day (weather, shops, people, errands), the
+  pool reshuffled every round by the case's seed: ordinary narrative text with no repetition
+  inside a round.
+* ``essay``: a short essay of our own on learning a craft, repeated paragraph after paragraph
+  (RULER repeats long essays): argued, connected text, the hardest of the three for a model to
+  skip.
+
+A haystack is a list of units (sentences), so that a needle is inserted between sentences;
+``units(kind, n, seed)`` is a prefix of ``units(kind, n + 1, seed)`` (the token count grows with
+``n``, which the binary search that fills a token budget relies on). No unit holds a digit, a
+word of tasks.py's needle vocabulary (keys and word values), or the phrases the questions ask
+about ("special magic", "pass key", "value", "VAR"); ``tests/test_haystacks.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import random
+
+HAYSTACKS = ("noise", "prose", "essay")
+
+NOISE_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+
+# Plain sentences about one ordinary day in a town; shuffled per round.
+PROSE_SENTENCES = (
+    "The baker on the corner opened her shop before the street lamps went out.",
+    "A light rain started around noon and stopped again an hour later.",
+    "Two boys argued about football on the steps of the library.",
+    "The bus to the station was late, so most people decided to walk.",
+    "An old man fed the pigeons with crumbs from a paper bag.",
+    "The post office closed early because the clerk had a cold.",
+    "Somebody had left a red scooter leaning against the fence.",
+    "The smell of fresh coffee drifted out of the café by the square.",
+    "A delivery van blocked the narrow lane for almost twenty minutes.",
+    "The teacher wrote the homework on the board and reminded everyone twice.",
+    "In the park a dog chased a ball that nobody had thrown.",
+    "The grocer stacked oranges into a neat pyramid near the door.",
+    "A woman in a blue coat asked for directions to the museum.",
+    "The church bell rang at noon, as it had done for many years.",
+    "Children drew chalk pictures on the pavement after school.",
+    "The wind turned cold in the afternoon and people buttoned their coats.",
+    "A cat slept on the warm roof of a parked car.",
+    "The mayor gave a short speech that few people stayed to hear.",
+    "At the market a farmer sold potatoes, onions and cabbages.",
+    "The barber told the same joke to every customer that day.",
+    "A young couple carried a heavy sofa up three flights of stairs.",
+    "The train whistle could be heard from the far side of the valley.",
+    "The librarian sorted the returned books into tidy piles.",
+    "Clouds gathered over the hills but the rain never came back.",
+    "A boy sold cold juice from a small table outside his house.",
+    "The painter finished the last wall of the school hall before dark.",
+    "Two neighbours talked over the hedge about their gardens.",
+    "The pharmacist checked the prescription carefully before handing it over.",
+    "Evening came slowly, and the shop fronts began to glow.",
+    "The cook at the inn prepared a thick soup for the evening guests.",
+    "A group of tourists took photographs of the old town gate.",
+    "The last bus of the day left the square almost empty.",
+)
+
+# An essay of our own (on learning a craft), one tuple per paragraph; repeated in order.
+ESSAY_PARAGRAPHS = (
+    ("Most people who want to learn a craft start by looking for the right method.",
+     "They read about tools, compare courses and wait for the moment when they feel ready.",
+     "That moment rarely comes, because readiness is a result of practice and not a condition "
+     "for it.",
+     "The beginners who improve fastest are usually the ones who start before they understand "
+     "very much."),
+    ("The first work anyone makes is bad, and it is supposed to be.",
+     "A clumsy first attempt is not a verdict on talent; it is information about what to try "
+     "next.",
+     "The danger is not the bad work itself but the temptation to stop making it.",
+     "Someone who makes many poor things learns more than someone who plans one perfect thing "
+     "for a year."),
+    ("Good teachers understand this and keep the early steps small.",
+     "They ask for something that can be finished in an afternoon, then ask for it again a "
+     "little better.",
+     "Each round is short enough that failure costs little, and long enough that progress can "
+     "be seen.",
+     "Over months the small rounds add up to a skill that no single lesson could have "
+     "delivered."),
+    ("Feedback matters more than effort alone.",
+     "Practice without anyone pointing out mistakes tends to repeat the same mistakes, only "
+     "faster.",
+     "The useful kind of feedback is specific: it names one thing to change and says why.",
+     "General praise feels pleasant, but it does not tell the learner where to look."),
+    ("There is also the question of taste.",
+     "Beginners can often see that their work falls short long before they can fix it.",
+     "This gap between what they can judge and what they can make is uncomfortable, and many "
+     "people quit while they are inside it.",
+     "Yet the gap is a good sign: it means their judgement is already ahead of their hands, "
+     "and the hands will follow."),
+    ("Finally, a craft is learned among other people.",
+     "Watching others work shows shortcuts that no book describes, and showing one's own work "
+     "invites the criticism that speeds things up.",
+     "Communities of practice also keep people going on the days when motivation is low.",
+     "In the end the method matters less than the habit of making, showing and making again."),
+)
+ESSAY_SENTENCES = tuple(s for paragraph in ESSAY_PARAGRAPHS for s in paragraph)
+
+
+def units(kind: str, n: int, seed: int = 0) -> list[str]:
+    """The first ``n`` sentences of haystack ``kind`` (``seed`` orders the ``prose`` rounds)."""
+    if kind == "noise":
+        pool = NOISE_SENTENCES
+        return [pool[i % len(pool)] for i in range(n)]
+    if kind == "essay":
+        pool = ESSAY_SENTENCES
+        return [pool[i % len(pool)] for i in range(n)]
+    if kind == "prose":
+        out: list[str] = []
+        r = 0
+        while len(out) < n:
+            out.extend(random.Random(f"prose:{seed}:{r}").sample(PROSE_SENTENCES,
+                                                                 len(PROSE_SENTENCES)))
+            r += 1
+        return out[:n]
+    raise ValueError(f"unknown haystack {kind!r}; expected one of {HAYSTACKS}")
+
+
+def min_unit_tokens(kind: str) -> int:
+    """A lower bound on a unit's tokens (an upper bound on units for a budget)."""
+    return 3 if kind == "noise" else 8
