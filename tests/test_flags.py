@@ -68,6 +68,9 @@ def test_the_checkpoint_is_kept_on_request_or_for_reselect():
         (dict(kv_layout="paged"), "--uniprefill-kv-layout"),
         (dict(stage_kv_fraction="0.5,0"), "--uniprefill-stage-kv-fraction"),
         (dict(stage_kv_fraction="1.5"), "--uniprefill-stage-kv-fraction"),
+        (dict(max_dropped_mass=-0.01), "--uniprefill-max-dropped-mass must be in \\[0, 1\\]"),
+        (dict(max_dropped_mass=1.5), "--uniprefill-max-dropped-mass must be in \\[0, 1\\]"),
+        (dict(max_dropped_mass=float("nan")), "--uniprefill-max-dropped-mass"),
     ],
 )
 def test_invalid_knobs_name_the_flag(override, flag):
@@ -175,6 +178,16 @@ def test_requests_say_why_a_model_without_schedule_runs_dense():
     assert decide(_Req(), 4096, cfg, None, None).enabled
 
 
+def test_the_dropped_mass_bound_reaches_the_decision():
+    assert build_config(**DEFAULTS).max_dropped_mass is None  # off unless asked for
+    cfg = build_config(**DEFAULTS, max_dropped_mass=0.05)
+    assert cfg.max_dropped_mass == 0.05
+    assert decide(_Req(), 4096, cfg, None, None).max_dropped_mass == 0.05
+    knob = {"uniprefill_max_dropped_mass": 0}
+    assert decide(_Req(knob), 4096, cfg, None, None).max_dropped_mass == 0.0
+    assert decide(_Req(knob), 4096, build_config(**DEFAULTS), None, None).max_dropped_mass == 0.0
+
+
 def _prepare(argv):
     from sglang.srt.plugins import load_plugins
 
@@ -189,12 +202,13 @@ def test_cli_accepts_the_flags(smollm2_path):
         "--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
         "--uniprefill-keep-ratio", "0.5", "--uniprefill-drop-layers", "3,9",
         "--uniprefill-block-size", "32", "--uniprefill-min-prompt-tokens", "1024",
+        "--uniprefill-max-dropped-mass", "0.05",
     ])
     assert args.enable_uniprefill and args.uniprefill_keep_ratio == "0.5"
     assert args.attention_backend == "torch_native"  # chosen for the CPU path
     cfg = args.uniprefill_config()
     assert cfg.drop_layers == (3, 9) and cfg.block_size == 32 and cfg.min_tokens_to_drop == 1024
-    assert cfg.keep_ratio == (0.5,)
+    assert cfg.keep_ratio == (0.5,) and cfg.max_dropped_mass == 0.05
     assert cfg.kv_layout == "staged" and cfg.stage_kv_fraction is None
     cfg = _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
                     "--uniprefill-kv-layout", "shared", "--uniprefill-stage-kv-fraction",
@@ -207,6 +221,7 @@ def test_cli_accepts_the_flags(smollm2_path):
     [
         (["--uniprefill-top-p", "1.5"], "--uniprefill-top-p must be in \\(0, 1\\]"),
         (["--uniprefill-drop-layers", "7,40"], "layer 40 is out of range"),
+        (["--uniprefill-max-dropped-mass", "2"], "--uniprefill-max-dropped-mass must be in"),
         (["--attention-backend", "flex_attention"], "does not support --attention-backend flex_attention"),
         (["--pp-size", "2"], "does not support --pp-size > 1"),
         (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],

@@ -55,6 +55,12 @@ BAD = [
     ({"uniprefill_prefix_policy": "reuse"}, "uniprefill_prefix_policy", "got 'reuse'"),
     ({"uniprefill_prefix_policy": None}, "uniprefill_prefix_policy", "null"),
     ({"uniprefill_prefix_policy": 1}, "uniprefill_prefix_policy", "must be one of verify"),
+    ({"uniprefill_max_dropped_mass": 1.5}, "uniprefill_max_dropped_mass", "in [0, 1], got 1.5"),
+    ({"uniprefill_max_dropped_mass": -0.1}, "uniprefill_max_dropped_mass", "in [0, 1], got -0.1"),
+    ({"uniprefill_max_dropped_mass": math.nan}, "uniprefill_max_dropped_mass", "got nan"),
+    ({"uniprefill_max_dropped_mass": None}, "uniprefill_max_dropped_mass", "null"),
+    ({"uniprefill_max_dropped_mass": False}, "uniprefill_max_dropped_mass", "got false"),
+    ({"uniprefill_max_dropped_mass": "0.1"}, "uniprefill_max_dropped_mass", "must be a number"),
 ]
 
 
@@ -93,5 +99,11 @@ def test_good_knobs():
     assert parse({"uniprefill_top_p": 0.9}, server).prefix_policy == "reuse-sparse"
     with pytest.raises(ValueError, match="--uniprefill-prefix-policy"):
         build_config(**{**FLAGS, "prefix_policy": "sometimes"})
+    # The dropped-mass bound: the server's unless the request sets its own, 0 and 1 included.
+    assert parse({}, TOP_P_SERVER).max_dropped_mass is None
+    bounded = build_config(**{**FLAGS, "max_dropped_mass": 0.05})
+    assert parse({}, bounded).max_dropped_mass == 0.05
+    assert parse({"uniprefill_max_dropped_mass": 0}, bounded).max_dropped_mass == 0.0
+    assert parse({"uniprefill_max_dropped_mass": 1}, TOP_P_SERVER).max_dropped_mass == 1.0
     assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio",
-                     "uniprefill_prefix_policy")
+                     "uniprefill_prefix_policy", "uniprefill_max_dropped_mass")

@@ -1,6 +1,7 @@
 """The drop's selection on its own: `select_survivors` (the kernels) against its plain reference,
 on fresh random batches: several requests, cached prefixes that are scored but never candidates,
-GQA, top-p and keep ratios, blocks cut short at the end of a request."""
+GQA, top-p and keep ratios, blocks cut short at the end of a request; the attention mass each
+request's selection lets go, against the reference and the rule's own bounds."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def random_batch(seed: int, heads=(4, 2), dim=16, num_slots=4096):
 def test_select_survivors_matches_the_reference(seed, monkeypatch):
     monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
     cands, key_buffer, scale, rule = random_batch(seed)
-    keep_idx, counts = select_survivors(cands, key_buffer, scale, rule)
-    want_idx, want_counts = select_survivors_reference(cands, key_buffer, scale, rule)
+    keep_idx, counts, _ = select_survivors(cands, key_buffer, scale, rule)
+    want_idx, want_counts, _ = select_survivors_reference(cands, key_buffer, scale, rule)
     assert counts.tolist() == want_counts.tolist()
     assert keep_idx.tolist() == want_idx.tolist()
     num_candidates = sum(k - p for k, p in zip(cands.key_counts, cands.prefix_counts))
@@ -75,10 +76,74 @@ def test_reference_keeps_the_attended_block():
     cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
                            [0], [0.9], [0.0])
     rule = SelectionRule(block_size=32, sink_tokens=4, last_window=0)
-    keep_idx, counts = select_survivors_reference(cands, key_buffer, dim ** -0.5, rule)
+    keep_idx, counts, _ = select_survivors_reference(cands, key_buffer, dim ** -0.5, rule)
     assert keep_idx.tolist() == list(range(4)) + list(range(96, 128))
-    got_idx, got_counts = select_survivors(cands, key_buffer, dim ** -0.5, rule)
+    got_idx, got_counts, _ = select_survivors(cands, key_buffer, dim ** -0.5, rule)
     assert got_idx.tolist() == keep_idx.tolist() and got_counts.tolist() == counts.tolist()
+
+
+# ---- the attention mass a selection lets go ---------------------------------------------------
+@pytest.mark.parametrize("seed", range(100, 116))
+def test_dropped_mass_matches_the_reference(seed, monkeypatch):
+    monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
+    cands, key_buffer, scale, rule = random_batch(seed)
+    got = select_survivors(cands, key_buffer, scale, rule).dropped_mass
+    want = select_survivors_reference(cands, key_buffer, scale, rule).dropped_mass
+    assert got.shape == want.shape == (cands.num_segments,)
+    assert got.dtype == torch.float64 and not torch.isnan(got).any(), got
+    assert ((0 <= got) & (got <= 1)).all() and ((0 <= want) & (want <= 1)).all(), (got, want)
+    # float32 scores against float64 ones: a relative bound, exact where nothing is dropped.
+    assert ((got - want).abs() <= 1e-4 * want + 1e-12).all(), (got, want)
+    for b in range(cands.num_segments):
+        if cands.keep_ratio[b] == 1.0 or (cands.keep_ratio[b] == 0 and cands.top_p[b] == 1.0):
+            assert float(got[b]) == 0.0 == float(want[b])  # keeps every block
+        elif cands.keep_ratio[b] == 0:  # top-p keeps blocks holding at least p of the mass
+            assert float(want[b]) <= 1 - cands.top_p[b] + 1e-12, (b, want, cands.top_p[b])
+
+
+def _two_needles(keep_ratio: float, top_p: float = 1.0):
+    """One query that attends equally to two blocks of eight (keys 100-107 and 200-207)."""
+    dim, n = 8, 256
+    key_buffer = torch.zeros(n, 1, dim)
+    key_buffer[100:108, 0, 0] = key_buffer[200:208, 0, 0] = 50.0
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
+                           [0], [top_p], [keep_ratio])
+    return cands, key_buffer, dim ** -0.5, SelectionRule(block_size=32, sink_tokens=0,
+                                                         last_window=0)
+
+
+def test_dropped_mass_is_the_share_on_the_dropped_blocks():
+    # One block of eight kept, one of the two needles': half of the mass is let go.
+    for fn in (select_survivors, select_survivors_reference):
+        sel = fn(*_two_needles(keep_ratio=1 / 8))
+        assert sel.keep_idx.tolist() in (list(range(96, 128)), list(range(192, 224)))
+        assert abs(float(sel.dropped_mass[0]) - 0.5) < 1e-4, sel.dropped_mass
+        # Both needles kept: what is let go is the unaligned keys' share, almost nothing.
+        sel = fn(*_two_needles(keep_ratio=0.0, top_p=0.9))
+        assert sorted(set(sel.keep_idx.tolist()) & {100, 200}) == [100, 200]
+        assert 0.0 < float(sel.dropped_mass[0]) < 1e-4, sel.dropped_mass
+
+
+def test_prefix_keys_are_scored_but_count_in_no_share():
+    """Three equal needles, one in a cached prefix (keys 0-127, scored, never candidates) and
+    two among the candidates: keeping one candidate block of four lets go half of the
+    candidates' mass (a third of all the keys' mass)."""
+    dim, n = 8, 256
+    key_buffer = torch.zeros(n, 1, dim)
+    for start in (100, 150, 200):
+        key_buffer[start:start + 8, 0, 0] = 50.0
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
+                           [128], [1.0], [0.25])
+    rule = SelectionRule(block_size=32, sink_tokens=0, last_window=0)
+    for fn in (select_survivors, select_survivors_reference):
+        sel = fn(cands, key_buffer, dim ** -0.5, rule)
+        # candidates 128-159 or 192-223: one needle's block
+        assert sel.keep_idx.tolist() in (list(range(0, 32)), list(range(64, 96)))
+        assert abs(float(sel.dropped_mass[0]) - 0.5) < 1e-4, sel.dropped_mass
 
 
 # ---- prefix reuse: does a cached selection cover a new question? ---------------------------
@@ -133,3 +198,14 @@ def test_a_cache_that_lost_the_attended_block_does_not_cover():
     for fn in (prefix_coverage, prefix_coverage_reference):
         cov = fn(cands, key_buffer, dim ** -0.5, rule, cached)
         assert float(cov.missing[0]) > 0.9 and not bool(cov.covered(0.01)[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_coverage_and_selection_agree_on_what_is_dropped(seed, monkeypatch):
+    """With every key a candidate, prefix coverage's `dropped` is the selection's own mass."""
+    monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
+    cands, key_buffer, scale, rule = random_batch(seed)
+    full, cached = _as_coverage_batch(cands, seed)
+    coverage = prefix_coverage(full, key_buffer, scale, rule, cached)
+    mass = select_survivors(full, key_buffer, scale, rule).dropped_mass
+    assert ((coverage.dropped - mass).abs() <= 1e-9 + 1e-9 * mass).all(), (coverage.dropped, mass)

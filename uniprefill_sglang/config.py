@@ -160,6 +160,9 @@ class UniPrefillConfig:
     # Per drop stage, the fraction of the full KV pool its pool holds (the last repeats);
     # None: from the fixed keep ratios (stage_pools.default_stage_fractions).
     stage_kv_fraction: Optional[tuple[float, ...]] = None
+    # A request whose first drop would let go more than this share of its scored attention
+    # mass keeps every token at every drop (drop.py); None: no bound.
+    max_dropped_mass: Optional[float] = None
 
     @property
     def min_tokens_to_drop(self) -> int:
@@ -193,6 +196,7 @@ def build_config(
     kv_layout: Optional[str] = DEFAULT_KV_LAYOUT,
     stage_kv_fraction=None,
     prefix_checkpoint: bool = False,
+    max_dropped_mass: Optional[float] = None,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -215,6 +219,10 @@ def build_config(
         kv_layout = "staged" if smaller else "shared"
     _check_choice("--uniprefill-kv-layout", kv_layout, KV_LAYOUTS)
     layers = _parse_increasing_drop_layers(drop_layers)
+    if max_dropped_mass is not None and not (0.0 <= max_dropped_mass <= 1.0):
+        raise UniPrefillConfigError(
+            "--uniprefill-max-dropped-mass must be in [0, 1] (the share of a request's attention "
+            f"mass its first drop may let go), got {max_dropped_mass}")
     return UniPrefillConfig(
         top_p=DEFAULT_TOP_P if top_p is None else float(top_p),
         keep_ratio=keep_ratios,
@@ -229,6 +237,7 @@ def build_config(
         kv_layout=kv_layout,
         stage_kv_fraction=fractions,
         prefix_checkpoint=bool(prefix_checkpoint) or prefix_policy == "reselect",
+        max_dropped_mass=None if max_dropped_mass is None else float(max_dropped_mass),
     )
 
 

@@ -179,6 +179,13 @@ class DropReport:
     # kept[k][b]: rows of request b entering stage k (kept[0] = the tokens scored at the first
     # drop: the step's new tokens plus any rejoining).
     kept: List[List[int]] = dataclasses.field(default_factory=list)
+    # dropped_mass[k][b]: the share of the attention mass drop k's selection scored for request
+    # b that fell on the candidates it dropped (0.0 where it dropped none or did not select),
+    # read to the host in one copy with the drop's kept counts.
+    dropped_mass: List[List[float]] = dataclasses.field(default_factory=list)
+    # Per request whose first drop would have let go more than its max dropped mass: that
+    # mass; it keeps every row at every drop (drop.py).
+    over_bound: Dict[int, float] = dataclasses.field(default_factory=dict)
     # kept_digest[k][b]: fingerprint of request b's positions after drop k (debug).
     kept_digest: List[List[int]] = dataclasses.field(default_factory=list)
     # Per request: why it ran dense or dropped less than its decision said (DropContext.note).
@@ -190,7 +197,8 @@ class DropReport:
 
     def entry(self, b: int, decision) -> dict:
         entry = {"enabled": decision.enabled, "reason": self.notes.get(b, decision.reason),
-                 "kept_tokens": [stage_lens[b] for stage_lens in self.kept]}
+                 "kept_tokens": [stage_lens[b] for stage_lens in self.kept],
+                 "dropped_mass": [float(f"{drop[b]:.6g}") for drop in self.dropped_mass]}
         if b in self.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
             entry["prefix"] = self.prefix_outcomes[b].as_dict()
         if self.prefill_graph is not None:

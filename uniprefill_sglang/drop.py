@@ -3,7 +3,10 @@
     candidates  = the request's rows in this step, after any rows that rejoin it here
                   (the parked rows of its earlier chunks, a cached prefix it selects over anew)
     survivors   = selection.select_survivors(scores of the candidates by the prompt's last
-                  queries, top-p blocks or a fixed keep ratio)
+                  queries, top-p blocks or a fixed keep ratio), and the share of the scored
+                  mass the dropped candidates held (the report's `dropped_mass`)
+    bound         a request whose first drop would let go more than its max dropped mass
+                  keeps every row there and at every later drop
     shrink        the drop context to the survivors (the layer hooks gather the hidden states)
     mark          the dropped tokens' KV as held up to this layer only (kv_validity.SlotStages)
 
@@ -15,13 +18,17 @@ dense request whose earlier rows rejoin keeps every row.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List
 
 import torch
 
-from uniprefill_sglang.context import DropContext, UniPrefillError
+from uniprefill_sglang.context import DropContext, UniPrefillError, to_device
 from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
+from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
 from uniprefill_sglang.selection import DropCandidates, prefix_coverage, select_survivors
+
+MAX_DROPPED_MASS_FLAG = "--uniprefill-max-dropped-mass"
 
 
 @dataclasses.dataclass
@@ -49,6 +56,7 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         raise UniPrefillError("test fault as parked rows rejoin (UNIPREFILL_TEST_FAULT=rejoin)")
     if step.idle:
         ctx.report.kept.append(list(ctx.lens))
+        ctx.report.dropped_mass.append([0.0] * len(ctx.lens))
         return
     rows_per_request = list(ctx.lens)
     keep = torch.ones(total + step.joining.count, dtype=torch.bool, device=q.device)
@@ -58,8 +66,10 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         keep.index_fill_(0, rows, True)
         ctx.report.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
         ctx.rejoined_whole[b] = joined
+    masses = [0.0] * len(ctx.lens)
     if step.selecting:
-        _select(rt, ctx, layer, step, keep, total, stage)
+        _select(rt, ctx, layer, step, keep, total, stage, drop_index, masses)
+    ctx.report.dropped_mass.append(masses)
     for b, rows in step.parking:
         _park(rt, ctx, b, rows, q, keep, stage)
     ctx.report.kept.append(list(ctx.lens))
@@ -110,6 +120,8 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     empty = torch.empty(0, dtype=torch.int64, device=device)
     joins = rejoining_rows(rt, ctx, layer, q) if first_drop else {}
     for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
+        if b in ctx.report.over_bound:  # its first drop kept every row: so do the later ones
+            continue
         n = ctx.lens[b]
         own = torch.arange(start, start + n, device=device)
         if first_drop and d.park and n > 0 and rt.parking.reserve(d.rid, d.prompt_len,
@@ -167,11 +179,13 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     return step
 
 
-def _select(rt, ctx, layer, step: _Step, keep, total, stage) -> None:
+def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses) -> None:
+    """Select among the candidates, apply the first drop's mass bound, and fill `masses` (per
+    request, the mass let go) from the one host read of the drop: the kept counts."""
     reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
     cands = step.cands
     cands.key_slots = rt.slots.pool_slots(cands.key_slots, stage)
-    keep_idx, counts = select_survivors(
+    keep_idx, counts, mass = select_survivors(
         cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
         reduce)
     if rt.check_tp:
@@ -179,15 +193,47 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage) -> None:
     candidate_rows = torch.cat([rows for _, rows, _ in step.selecting])
     keep.index_fill_(0, candidate_rows, False)
     keep.index_fill_(0, candidate_rows[keep_idx], True)
+    decisions = ctx.plan.decisions
+    bounds = [decisions[b].max_dropped_mass for b, _, _ in step.selecting]
+    if drop_index == 0 and any(x is not None for x in bounds):
+        counts = _hold_over_bound(ctx, step, keep, candidate_rows, counts, mass, bounds)
+    # One read for the counts (exact in float64) and the masses.
+    host = torch.cat([counts.to(torch.float64), mass]).tolist()
+    num = len(step.selecting)
+    host_counts, host_mass = host[:num], host[num:]
     # Dropped rows keep KV for the layers up to this one only; rejoined rows that survive
     # get the later layers' KV from the rest of this forward.
     rt.slots.mark_dropped(ctx.out_cache_loc[~keep[:total]], stage)
-    for (b, _, joined), count in zip(step.selecting, counts.tolist()):
+    for (b, _, joined), count, m, bound in zip(step.selecting, host_counts, host_mass, bounds):
         if joined:
             ctx.report.kept[0][b] = joined + ctx.lens[b]
+        if drop_index == 0 and bound is not None and m > bound:
+            ctx.report.over_bound[b] = m
+            name = (MAX_DROPPED_MASS_FLAG if bound == rt.config.max_dropped_mass
+                    else f'custom_params["{MAX_DROPPED_MASS_KNOB}"]')
+            ctx.note(b, f"over the dropped-mass bound: the first drop would let go {m:.4g} of "
+                        f"the attention mass it scored, above {name} {bound:g}; every token "
+                        "kept from there on")
+            m = 0.0
         if count < joined + ctx.lens[b]:
             ctx.sparse[b] = True
         ctx.lens[b] = int(count)
+        masses[b] = m
+
+
+def _hold_over_bound(ctx, step: _Step, keep, candidate_rows, counts, mass, bounds):
+    """On the device: the segments whose selection lets go more than their bound keep every
+    candidate row; returns the kept counts with theirs full."""
+    device = keep.device
+    limits = to_device([math.inf if x is None else x for x in bounds], torch.float64, device)
+    over = mass > limits
+    sizes = to_device([joined + ctx.lens[b] for b, _, joined in step.selecting], torch.int64,
+                      device)
+    segment = torch.repeat_interleave(torch.arange(len(bounds), device=device), sizes,
+                                      output_size=candidate_rows.numel())
+    keep.index_copy_(0, candidate_rows,
+                     keep.index_select(0, candidate_rows) | over.index_select(0, segment))
+    return torch.where(over, sizes.to(counts.dtype), counts)
 
 
 def _park(rt, ctx, b, rows, q, keep, stage) -> None:

@@ -11,6 +11,8 @@ body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_p
   last repeats) or a comma-separated string of them (as ``--uniprefill-keep-ratio``).
 * ``uniprefill_prefix_policy``: one of ``verify``, ``reselect``, ``reuse-sparse``,
   ``dense-prefix`` (as ``--uniprefill-prefix-policy``; prefix_reuse.py).
+* ``uniprefill_max_dropped_mass``: a number in [0, 1] (as ``--uniprefill-max-dropped-mass``): a
+  first drop that would let go more of the request's attention mass keeps every token instead.
 
 Rules, all enforced with a ``ValueError`` that names the knob:
 
@@ -38,7 +40,8 @@ ENABLE = "uniprefill"
 TOP_P = "uniprefill_top_p"
 KEEP_RATIO = "uniprefill_keep_ratio"
 PREFIX_POLICY = "uniprefill_prefix_policy"
-KNOBS = (ENABLE, TOP_P, KEEP_RATIO, PREFIX_POLICY)
+MAX_DROPPED_MASS = "uniprefill_max_dropped_mass"
+KNOBS = (ENABLE, TOP_P, KEEP_RATIO, PREFIX_POLICY, MAX_DROPPED_MASS)
 
 
 class RequestKnobError(ValueError):
@@ -51,6 +54,7 @@ class RequestKnobs:
     top_p: float
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: select by top-p
     prefix_policy: str = DEFAULT_PREFIX_POLICY
+    max_dropped_mass: Optional[float] = None  # None: no bound
 
 
 def _name(key: str) -> str:
@@ -68,6 +72,15 @@ def _fraction(key: str, value: Any, what: str = "") -> float:
     value = float(value)
     if not (math.isfinite(value) and 0.0 < value <= 1.0):
         raise RequestKnobError(f"{_name(key)}{what} must be in (0, 1], got {_show(value)}")
+    return value
+
+
+def _bound(key: str, value: Any) -> float:
+    if not _is_number(value):
+        raise RequestKnobError(f"{_name(key)} must be a number in [0, 1], got {_show(value)}")
+    value = float(value)
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise RequestKnobError(f"{_name(key)} must be in [0, 1], got {_show(value)}")
     return value
 
 
@@ -119,9 +132,9 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
     Raises ``RequestKnobError`` (a ``ValueError``) naming the first bad knob.
     """
     top_p, keep_ratio = config.top_p, tuple(config.keep_ratio or ())
-    policy = config.prefix_policy
+    policy, bound = config.prefix_policy, config.max_dropped_mass
     if not isinstance(custom_params, dict):
-        return RequestKnobs(True, top_p, keep_ratio, policy)
+        return RequestKnobs(True, top_p, keep_ratio, policy, bound)
     unknown = sorted(k for k in custom_params if _is_ours(k) and k not in KNOBS)
     if unknown:
         raise RequestKnobError(
@@ -147,4 +160,6 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
             raise RequestKnobError(
                 f"{_name(PREFIX_POLICY)} must be one of {', '.join(PREFIX_POLICIES)}, "
                 f"got {_show(policy)}")
-    return RequestKnobs(enabled, top_p, keep_ratio, policy)
+    if MAX_DROPPED_MASS in custom_params:
+        bound = _bound(MAX_DROPPED_MASS, custom_params[MAX_DROPPED_MASS])
+    return RequestKnobs(enabled, top_p, keep_ratio, policy, bound)

@@ -4,7 +4,8 @@ Built on the scheduler side from the batch's `Req` objects (they carry the sampl
 the chunking state) and attached to the ForwardBatch; the model side only reads it.
 
 Per-request overrides travel in `sampling_params["custom_params"]` (OpenAI API: `extra_body=
-{"custom_params": {...}}`): `uniprefill` (bool), `uniprefill_top_p`, `uniprefill_keep_ratio`.
+{"custom_params": {...}}`): `uniprefill` (bool), `uniprefill_top_p`, `uniprefill_keep_ratio`,
+`uniprefill_prefix_policy`, `uniprefill_max_dropped_mass` (request_knobs.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class RequestDecision:
     # A dense request (it asked for no drop) over a cached prefix that may lack tokens in later
     # layers: under verify / reselect those rejoin at the first drop layer, all kept.
     restore_prefix: bool = False
+    # A first drop that would let go more than this share of the scored attention mass keeps
+    # every token at every drop (drop.py); None: no bound.
+    max_dropped_mass: Optional[float] = None
 
     def ratio_at(self, drop_index: int) -> float:
         """Keep ratio of the given drop, or 0.0 for top-p selection."""
@@ -156,7 +160,8 @@ def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional
         return dense("prompt under the minimum length")
     return RequestDecision(True, top_p, keep_ratio or (), None,
                            rid=getattr(req, "rid", None), prompt_len=prompt_len,
-                           prefix_policy=policy, cached_len=cached_len)
+                           prefix_policy=policy, cached_len=cached_len,
+                           max_dropped_mass=knobs.max_dropped_mass)
 
 
 def _max_new_tokens(req) -> Optional[int]:

@@ -5,7 +5,10 @@ its keys (the valid prefix, which is never dropped, then the candidates); a key'
 attention mass the queries pay it, summed over queries and heads; candidates are grouped into
 blocks of `block_size`, and the top blocks are kept (the smallest set holding `top_p` of the
 mass, or a fixed `keep_ratio` of the blocks), plus the attention sinks (positions below
-`sink_tokens`) and the last `last_window` candidates.
+`sink_tokens`) and the last `last_window` candidates. What the drop lets go is measured the
+same way: per segment, the share of its candidates' scores that falls on the candidates it drops
+(`Selection.dropped_mass`; prefix keys are scored but are not candidates, so they count in
+neither part).
 
 `select_survivors` runs the kernels (Triton on CUDA, their torch references elsewhere) on the
 whole batch; `select_survivors_reference`, for tests, runs the per-segment torch references in
@@ -15,7 +18,7 @@ float64 one request at a time (kernels/reference.py, where the rule is written o
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -48,6 +51,14 @@ class SelectionRule:
     last_window: int
 
 
+class Selection(NamedTuple):
+    """One drop's selection, every tensor on the candidates' device."""
+    keep_idx: torch.Tensor      # [K] int64: ascending kept candidates, numbered across the batch
+    counts: torch.Tensor        # [B] int32: kept candidates per segment
+    dropped_mass: torch.Tensor  # [B] float64 in [0, 1]: share of the segment's candidate
+    # scores on the candidates it drops (0 when it drops none, or its candidates score 0)
+
+
 def _indptr(counts: List[int]) -> List[int]:
     out = [0]
     for n in counts:
@@ -58,13 +69,39 @@ def _indptr(counts: List[int]) -> List[int]:
 def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
                      rule: SelectionRule,
                      reduce_scores: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(keep_idx, kept_counts): ascending indices of the kept candidates, numbered across the
-    batch (segment 0's candidates first, prefix keys not counted), and kept candidates per
-    segment (int32 on the device). `reduce_scores` sums the per-token scores over tensor-
-    parallel ranks, each of which scored with its own heads."""
-    _, keep_idx, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
-    return keep_idx, counts
+                     ) -> Selection:
+    """The kept candidates (ascending indices numbered across the batch, segment 0's candidates
+    first, prefix keys not counted), kept candidates per segment, and the mass each segment
+    lets go; no host sync beyond the kernels' own. `reduce_scores` sums the per-token scores
+    over tensor-parallel ranks, each of which scored with its own heads."""
+    scores, keep_idx, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
+    return Selection(keep_idx, counts, _dropped_mass(cands, scores, keep_idx))
+
+
+def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep_idx: torch.Tensor):
+    """Per segment: the candidates' scores on dropped candidates over all its candidates'
+    scores, in float64, from host-known counts only (no host sync)."""
+    device = scores.device
+    num = cands.num_segments
+    cand_counts = [k - p for k, p in zip(cands.key_counts, cands.prefix_counts)]
+    num_cands = sum(cand_counts)
+    sums = torch.zeros(2, num, dtype=torch.float64, device=device)
+    if num_cands == 0:
+        return sums[0]
+    # Candidate c of segment b is key row c + (prefix keys of segments 0..b).
+    lead = to_device(_indptr(cands.prefix_counts)[1:], torch.int64, device)
+    counts = to_device(cand_counts, torch.int64, device)
+    segment = torch.repeat_interleave(torch.arange(num, device=device), counts,
+                                      output_size=num_cands)
+    rows = torch.arange(num_cands, device=device) + lead.index_select(0, segment)
+    cand_scores = scores.index_select(0, rows).to(torch.float64)
+    cand_scores = torch.where(cand_scores > 0, cand_scores, 0.0)  # NaN counts as 0, as in select
+    dropped = torch.ones(num_cands, dtype=torch.bool, device=device)
+    dropped.index_fill_(0, keep_idx, False)
+    sums[0].index_add_(0, segment, cand_scores)
+    sums[1].index_add_(0, segment, cand_scores * dropped)
+    total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
+    return (sums[1] / total).clamp_(0.0, 1.0)
 
 
 def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
@@ -85,17 +122,21 @@ def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
 
 
 def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
-                               rule: SelectionRule) -> Tuple[torch.Tensor, torch.Tensor]:
+                               rule: SelectionRule) -> Selection:
     """`select_survivors` in float64, one request at a time."""
-    keep_idx, counts = [], []
+    keep_idx, counts, masses = [], [], []
     first_candidate = 0
-    for _, keep in _reference_segments(cands, key_buffer, sm_scale, rule):
+    for scores, keep in _reference_segments(cands, key_buffer, sm_scale, rule):
         kept = [first_candidate + i for i, k in enumerate(keep) if k]
         keep_idx += kept
         counts.append(len(kept))
+        total = sum(max(0.0, float(s)) for s in scores)
+        dropped = sum(max(0.0, float(s)) for s, k in zip(scores, keep) if not k)
+        masses.append(dropped / total if total > 0 else 0.0)
         first_candidate += len(keep)
-    return (torch.tensor(keep_idx, dtype=torch.int64),
-            torch.tensor(counts, dtype=torch.int32))
+    return Selection(torch.tensor(keep_idx, dtype=torch.int64),
+                     torch.tensor(counts, dtype=torch.int32),
+                     torch.tensor(masses, dtype=torch.float64))
 
 
 def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,

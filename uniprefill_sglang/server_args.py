@@ -148,6 +148,14 @@ class UniPrefillServerArgs(ServerArgs):
                  "full, so fractions below the real keep profile cost throughput, not answers."),
     ] = None
 
+    uniprefill_max_dropped_mass: A[
+        Optional[float],
+        Arg(help="UniPrefill: a request whose first drop would let go more than this share of "
+                 "the attention mass it scores, in [0, 1], keeps every token from there on (its "
+                 "answer is dense's; meta_info says why). Unset: no bound. Per request: "
+                 "custom_params uniprefill_max_dropped_mass."),
+    ] = None
+
     def __post_init__(self):
         if self.enable_uniprefill:
             if self.uniprefill_min_prompt_tokens is None:
@@ -191,6 +199,7 @@ class UniPrefillServerArgs(ServerArgs):
             kv_layout=self.uniprefill_kv_layout,
             stage_kv_fraction=self.uniprefill_stage_kv_fraction,
             prefix_checkpoint=self.uniprefill_prefix_checkpoint,
+            max_dropped_mass=self.uniprefill_max_dropped_mass,
         )
 
     def _check_uniprefill_modes(self):

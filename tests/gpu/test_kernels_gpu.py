@@ -263,3 +263,80 @@ def test_pipeline_end_to_end():
                                torch.tensor(tp, device=DEV), torch.zeros(2, device=DEV), 4, 128)
     assert torch.equal(idx, idx2) and torch.equal(cnt, cnt2)
     assert idx.numel() == int(cnt.sum()) and bool((idx[1:] > idx[:-1]).all())
+
+
+def test_selection_dropped_mass_matches_reference_and_is_sync_free():
+    """selection.select_survivors on the GPU (Triton select): the mass each segment lets go
+    against the float64 reference, and computed without a host sync."""
+    from uniprefill_sglang.selection import (DropCandidates, SelectionRule, _dropped_mass,
+                                             _indptr, select_survivors,
+                                             select_survivors_reference)
+
+    g = torch.Generator(device=DEV).manual_seed(12)
+    hq, hkv, d, slots = 32, 8, 128, 40000
+    keys = torch.randn(slots, hkv, d, generator=g, device=DEV).to(torch.bfloat16)
+    perm = torch.randperm(slots, generator=g, device=DEV)
+    segs = [(0, 8192, 0.0, 0.9), (1000, 6000, 0.0, 0.99), (0, 4000, 0.5, 1.0), (300, 2000, 0.0, 1.0)]
+    c = DropCandidates(None, None, [], None, None, [], [], [], [])
+    queries, qpos, kslots, kpos, start = [], [], [], [], 0
+    for prefix, new, ratio, top_p in segs:
+        n = prefix + new
+        kslots.append(perm[start:start + n])
+        kpos.append(torch.arange(n, device=DEV))
+        queries.append(torch.randn(128, hq, d, generator=g, device=DEV).to(torch.bfloat16) * 3)
+        qpos.append(torch.arange(n - 128, n, device=DEV))
+        start += n
+        c.query_counts.append(128), c.key_counts.append(n), c.prefix_counts.append(prefix)
+        c.keep_ratio.append(ratio), c.top_p.append(top_p)
+    c.queries, c.query_pos = torch.cat(queries), torch.cat(qpos)
+    c.key_slots, c.key_pos = torch.cat(kslots), torch.cat(kpos)
+    rule = SelectionRule(block_size=64, sink_tokens=128, last_window=128)
+    sel = select_survivors(c, keys, d ** -0.5, rule)
+    want = select_survivors_reference(c, keys, d ** -0.5, rule).dropped_mass
+    got = sel.dropped_mass.cpu()
+    assert not torch.isnan(got).any() and ((0 <= got) & (got <= 1)).all(), got
+    assert (got - want.cpu()).abs().max() <= 1e-3 * float(want.max()) + 1e-9, (got, want)
+    assert float(got[0]) > 0 and float(got[0]) <= 0.1 + 1e-4  # top-p 0.9 lets some go
+    assert float(got[3]) == 0.0  # top-p 1 keeps every block
+    # The mass itself from the selection's outputs: no host sync.
+    indptr = [torch.tensor(_indptr(n), device=DEV, dtype=torch.int32)
+              for n in (c.query_counts, c.key_counts)]
+    scores = score_tokens(c.queries, c.query_pos, indptr[0], keys, c.key_slots, c.key_pos,
+                          indptr[1], d ** -0.5, max_q=128, max_k=max(c.key_counts))
+    _dropped_mass(c, scores, sel.keep_idx)  # first call outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _dropped_mass(c, scores, sel.keep_idx)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_the_first_drop_bound_holds_rows_without_a_host_sync():
+    """drop._hold_over_bound: the segments over their bound keep every candidate row, on the
+    device, with no host sync (the drop's one read comes after, with the counts)."""
+    from types import SimpleNamespace
+
+    from uniprefill_sglang.drop import _hold_over_bound
+
+    lens = [300, 500, 200]
+    rows = [torch.arange(s, s + n, device=DEV) for s, n in zip((0, 300, 800), lens)]
+    step = SimpleNamespace(selecting=[(b, r, 0) for b, r in enumerate(rows)])
+    ctx = SimpleNamespace(lens=lens)
+    candidate_rows = torch.cat(rows)
+    keep = torch.zeros(1000, dtype=torch.bool, device=DEV)
+    keep[::3] = True
+    counts = torch.tensor([100, 167, 67], dtype=torch.int32, device=DEV)
+    mass = torch.tensor([0.2, 0.01, 0.5], dtype=torch.float64, device=DEV)
+    args = (ctx, step, keep.clone(), candidate_rows, counts, mass, [0.1, 0.1, None])
+    _hold_over_bound(*args)  # first call outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        held = _hold_over_bound(ctx, step, keep, candidate_rows, counts, mass, [0.1, 0.1, None])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert held.tolist() == [300, 167, 67]
+    assert bool(keep[:300].all())  # over its bound: every row
+    assert keep[300:].tolist() == [(i % 3 == 0) for i in range(300, 1000)]
