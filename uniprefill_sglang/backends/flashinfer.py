@@ -174,7 +174,6 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
         return view
     req_to_token = backend.req_to_token_pool.req_to_token
     prefix_lens = [p[stage] for p in ctx.prefix_valid]
-    upd = backend.indices_updater_prefill
     if backend.forward_metadata.use_ragged:
         view = _StageView(ragged=_ragged_wrapper(backend, ctx, stage, cache))
         if any(prefix_lens):
