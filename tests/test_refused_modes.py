@@ -1,9 +1,10 @@
 """Serving modes UniPrefill cannot serve correctly are refused at start-up, naming the flag.
 
-Each mode is checked twice: through `prepare_server_args` (what `python -m sglang.launch_server`
-calls first; fast) and by starting the real launcher with the mode and reading its output (it
-must exit non-zero with the message, before loading the model). Without `--enable-uniprefill`
-the same flags are SGLang's business: the plugin does not refuse them.
+Every mode is checked through `prepare_server_args` (what `python -m sglang.launch_server` calls
+first; fast), and two of them by starting the real launcher and reading its output: it must exit
+non-zero with the message, before loading the model. Without `--enable-uniprefill` the same flags
+are SGLang's business: the plugin does not refuse them. Two refusals come after the model loaded:
+a hook target that did not resolve, and a prefix cache the hooks do not patch.
 """
 
 from __future__ import annotations
@@ -76,28 +77,42 @@ def test_the_plugin_refuses_nothing_without_enable_uniprefill(smollm2_path, extr
         assert "--enable-uniprefill" not in str(e), e
 
 
+# The launcher runs: two refused modes, a test-only hook target no SGLang has, and the unified
+# radix tree. Each is a `python -m sglang.launch_server` process (a minute of imports and, for the
+# last two, model loading on the CPU), so they run together, once per module.
+LAUNCHED_MODES = ["disaggregation-prefill", "page-size"]
+LATE_REFUSALS = {  # refused after the model loaded: the environment that provokes it
+    "hook": {"UNIPREFILL_TEST_FAULT": "hook"},
+    "unified-tree": {"SGLANG_ENABLE_UNIFIED_RADIX_TREE": "1"},
+}
+
+
 @pytest.fixture(scope="module")
 def launcher_runs(smollm2_path):
-    """Start `python -m sglang.launch_server` once per refused mode (4 at a time)."""
+    """{run id: (return code, output)} of every launcher run above, four at a time."""
     from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
 
-    env = {**os.environ, **cpu_engine_env(REPO_ROOT)}
-
-    def run(extra):
+    def run(extra, env_extra):
+        env = {**os.environ, **cpu_engine_env(REPO_ROOT), **env_extra}
         proc = subprocess.run(
             [sys.executable, "-m", "sglang.launch_server", *_base(smollm2_path),
              "--host", "127.0.0.1", "--port", "1", *extra],
-            env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
+            env=env, capture_output=True, text=True, timeout=400, start_new_session=True)
         return proc.returncode, proc.stdout + proc.stderr
 
+    flags = {r[0]: r[1] for r in REFUSED}
+    jobs = {m: (flags[m], {}) for m in LAUNCHED_MODES}
+    jobs.update({k: (["--attention-backend", "torch_native"], env)
+                 for k, env in LATE_REFUSALS.items()})
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(run, [r[1] for r in REFUSED]))
-    return dict(zip(IDS, results))
+        futures = {k: pool.submit(run, *job) for k, job in jobs.items()}
+        return {k: f.result() for k, f in futures.items()}
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("mode_id, message", [(r[0], r[2]) for r in REFUSED], ids=IDS)
-def test_launch_server_exits_with_the_message(launcher_runs, mode_id, message):
+@pytest.mark.parametrize("mode_id", LAUNCHED_MODES)
+def test_launch_server_exits_with_the_message(launcher_runs, mode_id):
+    message = {r[0]: r[2] for r in REFUSED}[mode_id]
     returncode, output = launcher_runs[mode_id]
     assert returncode != 0, output[-3000:]
     assert "UniPrefillConfigError" in output and message in output, output[-3000:]
@@ -105,35 +120,23 @@ def test_launch_server_exits_with_the_message(launcher_runs, mode_id, message):
     assert "Load weight begin" not in output, output[-3000:]
 
 
-def _start_refused(smollm2_path, env_extra: dict) -> str:
-    """Start the launcher with `env_extra`; it must fail after loading. Returns its output."""
-    from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
-
-    env = {**os.environ, **cpu_engine_env(REPO_ROOT), **env_extra}
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", *_base(smollm2_path),
-         "--attention-backend", "torch_native", "--host", "127.0.0.1", "--port", "1"],
-        env=env, capture_output=True, text=True, timeout=300, start_new_session=True)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-3000:]
-    return output
-
-
 @pytest.mark.engine
-def test_start_up_refuses_a_hook_that_did_not_resolve(smollm2_path):
+def test_start_up_refuses_a_hook_that_did_not_resolve(launcher_runs):
     """SGLang's hook loader only logs a target it cannot resolve; the plugin refuses to start
     and names it (a test-only hook on a target no SGLang has)."""
     from uniprefill_sglang.patches import BROKEN_TEST_TARGET
 
-    output = _start_refused(smollm2_path, {"UNIPREFILL_TEST_FAULT": "hook"})
+    returncode, output = launcher_runs["hook"]
+    assert returncode != 0, output[-3000:]
     assert f"hook target(s) {BROKEN_TEST_TARGET} did not resolve on SGLang" in output, \
         output[-3000:]
 
 
 @pytest.mark.engine
-def test_start_up_refuses_a_prefix_cache_the_hooks_do_not_patch(smollm2_path):
+def test_start_up_refuses_a_prefix_cache_the_hooks_do_not_patch(launcher_runs):
     """SGLang 0.5.17 builds its unified radix tree instead of RadixCache on request: the
     plugin's prefix-cache hooks would not run there, so a server that drops refuses to start."""
-    output = _start_refused(smollm2_path, {"SGLANG_ENABLE_UNIFIED_RADIX_TREE": "1"})
+    returncode, output = launcher_runs["unified-tree"]
+    assert returncode != 0, output[-3000:]
     assert "UniPrefill: SGLang built a UnifiedRadixCache prefix cache" in output, \
         output[-3000:]
