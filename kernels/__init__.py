@@ -1,9 +1,13 @@
-"""UniPrefill selection kernels: token scoring, block top-p selection, compaction.
+"""UniPrefill kernels: token scoring, block top-p selection, attention masked by positions.
 
 Public API (installed as ``uniprefill_sglang.kernels``):
 
 * ``score_tokens(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale, max_q=None, max_k=None, out=None)``
 * ``select_tokens(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio, sink_tokens, last_window)``
+* ``positional_attention(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices, kv_pos, sm_scale, window=-1, logit_cap=0.0, max_q_len=None, out=None)``
+  (the Triton launcher, ``positional_triton.positional_attention_triton``, reads no device
+  tensor on the host: it can be captured in a CUDA graph; the float64 reference is
+  ``positional_reference.positional_attention_reference``)
 
 Dispatch: Triton when the tensors are on CUDA, or when env
 ``UNIPREFILL_FORCE_TRITON=1`` (CPU tensors then need ``TRITON_INTERPRET=1`` set
@@ -20,6 +24,7 @@ import torch
 
 from uniprefill_sglang import environ
 
+from .positional_reference import positional_attention_reference
 from .reference import (
     RATIO_EPS,
     block_scores_reference,
@@ -34,7 +39,9 @@ from .reference import (
 __all__ = [
     "score_tokens",
     "select_tokens",
+    "positional_attention",
     "use_triton",
+    "positional_attention_reference",
     "score_tokens_reference",
     "select_tokens_reference",
     "score_segment_reference",
@@ -135,3 +142,50 @@ def select_tokens(
     return select_tokens_reference(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio,
                                    sink_tokens, last_window)
 
+
+def positional_attention(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_indptr: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_pos: torch.Tensor,
+    sm_scale: float,
+    window: int = -1,
+    logit_cap: float = 0.0,
+    max_q_len: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of each request's queries over its keys, masked by original positions.
+
+    q:          [Nq, Hq, D] bf16/fp16/fp32; request b owns the rows q_indptr[b]:q_indptr[b+1].
+    q_pos:      [Nq] int32/int64, original positions of the query rows.
+    q_indptr:   [B+1] int32/int64.
+    k_buffer:   [S, Hkv, D], v_buffer [S, Hkv, Dv] in q's dtype: the KV pool by slot; Hq % Hkv == 0.
+    kv_indptr:  [B+1] int32/int64; request b's keys are entries kv_indptr[b]:kv_indptr[b+1] of
+    kv_indices: [Nk] int32/int64 (pool slots) and of
+    kv_pos:     [Nk] int32/int64 (original positions, indexed like kv_indices).
+    Key j is visible to query i iff kv_pos[j] <= q_pos[i] and (window < 0 or
+    kv_pos[j] >= q_pos[i] - window).  logits = (q . k) * sm_scale, then
+    logit_cap * tanh(logits / logit_cap) when logit_cap > 0; softmax over the visible keys.
+    max_q_len:  host int >= every request's query rows; the Triton path computes it with one
+                host sync when omitted (pass it to stay sync-free, e.g. under a CUDA graph).
+    out:        optional preallocated [Nq, Hq, Dv] output in q's dtype.
+    Returns [Nq, Hq, Dv] in q's dtype; a row with no visible key is zero.
+    """
+    if use_triton(q.device):
+        from .positional_triton import positional_attention_triton
+
+        if max_q_len is None:
+            max_q_len = int((q_indptr[1:] - q_indptr[:-1]).max().item()) if q_indptr.numel() > 1 else 0
+        return positional_attention_triton(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
+                                           kv_pos, sm_scale, window, logit_cap, max_q_len=max_q_len,
+                                           out=out)
+    res = positional_attention_reference(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
+                                         kv_pos, sm_scale, window, logit_cap)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res

@@ -1,14 +1,8 @@
 """CPU tests of the UniPrefill selection kernels (Triton path under the interpreter).
 
-The Triton interpreter only works if ``TRITON_INTERPRET=1`` is set before triton
-is first imported (triton's own @jit helpers such as tl.sum are decorated at
-import).  Once set, the process can no longer compile GPU kernels, so:
-
-* CPU-only machine and triton not imported yet: the env var is set here, at
-  import, and the tests run in this process;
-* otherwise (a GPU is visible, or another test module already imported triton):
-  the in-process tests are skipped and ``test_cpu_suite_in_subprocess`` re-runs
-  this file in a fresh interpreter-mode python process.
+Interpreter plumbing: tests/triton_interpreter.py (imported first: it sets TRITON_INTERPRET
+when this process can still run the interpreter, else ``test_cpu_suite_in_subprocess`` re-runs
+this file in a fresh interpreter-mode python process).
 
 An autouse fixture sets ``UNIPREFILL_FORCE_TRITON=1`` so the public API dispatches
 to the (interpreted) Triton kernels on CPU tensors; the oracle is the torch
@@ -17,20 +11,12 @@ reference evaluated in float64.  Outputs and scratch buffers are NaN-poisoned.
 
 import importlib
 import math
-import os
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
 import torch
 
-_SUBPROCESS_ENV = "UNIPREFILL_KERNEL_TESTS_SUBPROCESS"
-_RUN_IN_PROCESS = os.environ.get(_SUBPROCESS_ENV) == "1" or (
-    "triton" not in sys.modules and not torch.cuda.is_available()
-)
-if _RUN_IN_PROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
 
 import uniprefill_sglang.kernels as K  # noqa: E402
 from uniprefill_sglang.kernels import (  # noqa: E402
@@ -50,24 +36,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.mark.slow
 def test_cpu_suite_in_subprocess():
-    if _RUN_IN_PROCESS:
+    if RUN_IN_PROCESS:
         pytest.skip("interpreter tests run in this process")
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env[_SUBPROCESS_ENV] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )
-    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-4000:]
+    run_file_in_subprocess(__file__)
 
 
 @pytest.fixture(scope="module")
 def interp_modules():
-    if not _RUN_IN_PROCESS:
-        pytest.skip("triton already imported or GPU visible: covered by test_cpu_suite_in_subprocess")
+    if not RUN_IN_PROCESS:
+        pytest.skip(SKIP_REASON)
     from triton.runtime.interpreter import InterpretedFunction
 
     st = importlib.import_module(f"{K.__name__}.score_triton")

@@ -23,14 +23,17 @@ import triton  # noqa: E402,F401  (imported before anything could set TRITON_INT
 
 from uniprefill_sglang.kernels import (  # noqa: E402
     block_scores_reference,
+    positional_attention,
+    positional_attention_reference,
     score_tokens,
     score_tokens_reference,
     select_tokens,
     select_tokens_reference,
 )
 from uniprefill_sglang.kernels import score_triton  # noqa: E402  (eager: pins compiled-mode kernels)
+from uniprefill_sglang.kernels import positional_triton as pa_triton  # noqa: E402
 
-if type(score_triton._score_accum_kernel).__name__ == "InterpretedFunction":
+if pa_triton.INTERPRETED or type(score_triton._score_accum_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were imported in interpreter mode", allow_module_level=True)
 
 DEV = torch.device("cuda")
@@ -340,3 +343,118 @@ def test_the_first_drop_bound_holds_rows_without_a_host_sync():
     assert held.tolist() == [300, 167, 67]
     assert bool(keep[:300].all())  # over its bound: every row
     assert keep[300:].tolist() == [(i % 3 == 0) for i in range(300, 1000)]
+
+
+# ---------------------------------------------------------------------------
+# positional_attention
+# ---------------------------------------------------------------------------
+
+
+def make_attention_case(seed, reqs, hq, hkv, d, dtype=torch.bfloat16, pool=20000):
+    """reqs: (num_keys, num_rows) per request: num_keys kept positions of 0..1.5*num_keys (a drop
+    left gaps), the rows being the last num_rows of them; keys at shuffled slots of a pool of
+    ``pool`` slots."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q_ind, kv_ind, qpos, kpos = [0], [0], [], []
+    for nk, nq in reqs:
+        kept = torch.sort(torch.randperm(nk * 3 // 2, generator=g, device=DEV)[:nk]).values
+        qpos.append(kept[nk - nq:])
+        kpos.append(kept)
+        q_ind.append(q_ind[-1] + nq)
+        kv_ind.append(kv_ind[-1] + nk)
+    slots = pool
+    assert kv_ind[-1] <= slots
+    return dict(
+        q=(torch.randn(q_ind[-1], hq, d, generator=g, device=DEV) * 2).to(dtype),
+        q_pos=torch.cat(qpos).to(torch.int32),
+        q_indptr=torch.tensor(q_ind, dtype=torch.int32, device=DEV),
+        k_buffer=torch.randn(slots, hkv, d, generator=g, device=DEV).to(dtype),
+        v_buffer=torch.randn(slots, hkv, d, generator=g, device=DEV).to(dtype),
+        kv_indptr=torch.tensor(kv_ind, dtype=torch.int32, device=DEV),
+        kv_indices=torch.randperm(slots, generator=g, device=DEV)[:kv_ind[-1]].to(torch.int64),
+        kv_pos=torch.cat(kpos).to(torch.int64),
+        sm_scale=d ** -0.5,
+    ), max(n for _, n in reqs)
+
+
+def attention_oracle(case, **kw):
+    f64 = {k: case[k].double() for k in ("q", "k_buffer", "v_buffer")}
+    return positional_attention_reference(**{**case, **f64}, **kw)
+
+
+def attention_rel_err(got, ref):
+    assert torch.isfinite(got).all(), "non-finite output"
+    return float((got.double() - ref).abs().max()) / float(ref.abs().max())
+
+
+# bf16: the output is rounded (half an ulp: 2^-8 of the value), so are the softmax weights
+# before they multiply the values
+ATTN_BOUND_BF16 = 1e-2
+ATTN_REQS = [(2048, 256), (5000, 1024), (8192, 512)]
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,window,cap",
+    [
+        (8, 4, 128, -1, 0.0),
+        (8, 4, 128, 512, 0.0),
+        (4, 1, 256, 511, 0.0),  # Gemma 3 270M's head shape, HF sliding_window 512
+        (8, 4, 128, 512, 30.0),
+    ],
+)
+def test_positional_attention_matches_reference(hq, hkv, d, window, cap):
+    case, max_q = make_attention_case(20 + d + window, ATTN_REQS, hq, hkv, d)
+    out = torch.full((case["q"].shape[0], hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = positional_attention(**case, window=window, logit_cap=cap, max_q_len=max_q, out=out)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    err = attention_rel_err(got, attention_oracle(case, window=window, logit_cap=cap))
+    print(f"positional_attention bf16 max|got-ref|/max|ref| = {err:.2e} (window {window}, cap {cap})")
+    assert err < ATTN_BOUND_BF16, err
+
+
+def test_positional_attention_is_sync_free_and_replays_in_a_cuda_graph():
+    """Captured once; the index tensors' contents (request split, slots, positions) and the
+    inputs change in place, the replay gives the reference of the new contents."""
+    window, max_q = 512, 1024
+    case, _ = make_attention_case(31, ATTN_REQS, 8, 4, 128)
+    out = torch.full((case["q"].shape[0], 8, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+
+    def call():
+        positional_attention(**case, window=window, max_q_len=max_q, out=out)
+
+    call()  # compile outside the checked regions
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert attention_rel_err(out, attention_oracle(case, window=window)) < ATTN_BOUND_BF16
+
+    # same shapes, new contents: other row and key counts per request (fewer keys in all than
+    # kv_indices holds), other slots and positions, new q / k / v
+    new, _ = make_attention_case(32, [(6000, 1024), (3000, 712), (4000, 56)], 8, 4, 128)
+    assert new["q"].shape == case["q"].shape and new["kv_indices"].numel() <= case["kv_indices"].numel()
+    n = new["kv_indices"].numel()
+    for name in ("q", "q_pos", "q_indptr", "k_buffer", "v_buffer", "kv_indptr"):
+        case[name].copy_(new[name])
+    case["kv_indices"][:n].copy_(new["kv_indices"])
+    case["kv_pos"][:n].copy_(new["kv_pos"])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert attention_rel_err(out, attention_oracle(new, window=window)) < ATTN_BOUND_BF16
