@@ -1,4 +1,4 @@
-"""Gemma 3 under a drop on SGLang's CPU engine (torch_native) against a float64 reference.
+"""Gemma 3 under a drop on SGLang's CPU engine (torch_native, Triton) against a float64 reference.
 
 The model is a reduced Gemma 3 (`Gemma3ForCausalLM`, 8 layers: sliding window 16 except the
 global layers 1, 3 and 6) with seeded random weights, written by transformers. UniPrefill drops
@@ -8,7 +8,8 @@ positions. The oracle is `uniprefill_sglang.backends.sliding_window_reference` (
 float64), itself checked against transformers' Gemma 3 in float64: with nothing dropped, and,
 under a drop, against transformers' own decoder layers run on the survivors.
 
-On the engine (chunked prefill at 128 tokens, the staged KV layout), with a forced keep ratio
+On the engine (torch_native, and Triton through Triton's interpreter; chunked prefill at 128
+tokens, the staged KV layout), with a forced keep ratio
 (the selection made by the engine, its kept positions fingerprinted by `UNIPREFILL_REPORT_KEPT`;
 every step's logits read by `LogitsProbe`):
 * each drop keeps the positions the reference selects in float64 from its own queries and keys;
@@ -34,7 +35,12 @@ import torch
 from uniprefill_sglang import kernels
 from uniprefill_sglang.backends import sliding_window_reference as ref
 from uniprefill_sglang.context import DropContext
-from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state, make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import (
+    flush_cache,
+    idle_state,
+    make_cpu_engine,
+    triton_interpreter,
+)
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention",
                "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -61,6 +67,9 @@ ENGINE = dict(skip_tokenizer_init=True, context_length=2048, max_total_tokens=40
               uniprefill_last_queries=RULE["last_queries"],
               uniprefill_kv_layout="staged", chunked_prefill_size=CHUNK,
               enable_custom_logit_processor=True, disable_overlap_schedule=True)
+# Triton's decode kernel splits each sequence in parts run as programs of their own: one part
+# keeps the interpreter quick (the number of splits is upstream's business, tested upstream).
+BACKEND_KWARGS = {"torch_native": {}, "triton": {"triton_attention_num_kv_splits": 1}}
 # float32 engine against the float64 reference: max |difference| / max |reference logit|.
 LOGITS_RTOL = 1e-4
 TIE_MARGIN = 1e-4
@@ -213,15 +222,19 @@ def _environment(**values):
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def runs(model_dir, model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["torch_native", "triton"])
+def runs(request, model_dir, model, tmp_path_factory):
+    """The workload on one engine per attention backend (Triton's kernels run through Triton's
+    interpreter; its sliding-window layers after a drop run `kernels.positional_attention`)."""
     rng = random.Random(torch.seed())
     # A prompt longer than a chunk (prefilled in two steps), one shorter.
     cases = [_clear_prompt(model, rng, n) for n in (rng.randrange(CHUNK + 32, 200),
                                                     rng.randrange(96, CHUNK))]
     probes = tmp_path_factory.mktemp("logits")
-    with _environment(UNIPREFILL_REPORT_KEPT="1", UNIPREFILL_CHECK_KV_LENS="1"):
-        engine = make_cpu_engine(model_dir, attention_backend="torch_native", **ENGINE)
+    with _environment(UNIPREFILL_REPORT_KEPT="1", UNIPREFILL_CHECK_KV_LENS="1"), \
+            triton_interpreter():
+        engine = make_cpu_engine(model_dir, attention_backend=request.param,
+                                 **ENGINE, **BACKEND_KWARGS[request.param])
     from uniprefill_sglang.tools.logits_probe import PARAM, LogitsProbe, read_logits
 
     def generate(name, prompts, custom):

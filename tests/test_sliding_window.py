@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from uniprefill_sglang.backends.torch_native import _visible, sliding_window
+from uniprefill_sglang.backends.common import sliding_window
+from uniprefill_sglang.backends.torch_native import _visible
 
 
 def _upstream_mask(seq_len: int, window):

@@ -29,7 +29,9 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=
 ENGINE = dict(skip_tokenizer_init=True, context_length=2048, log_level="warning",
               enable_uniprefill=True, uniprefill_drop_layers="1,2", uniprefill_keep_ratio=0.5,
               uniprefill_block_size=16, uniprefill_sink_tokens=16, uniprefill_last_queries=16,
-              chunked_prefill_size=128, uniprefill_prefix_checkpoint=True)
+              chunked_prefill_size=128, uniprefill_prefix_checkpoint=True,
+              # one part per sequence in Triton's decode kernel keeps the interpreter quick
+              triton_attention_num_kv_splits=1)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 
 

@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = arch_table.SUPPORTED_NAMES
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 # Those whose adapter also serves sliding-window layers over the survivors (the window measured
 # in original positions); on the others a model with such layers runs dense.
-SLIDING_WINDOW_ATTENTION_BACKENDS = ("torch_native",)
+SLIDING_WINDOW_ATTENTION_BACKENDS = ("torch_native", "triton")
 
 DEFAULT_TOP_P = 0.99
 DEFAULT_BLOCK_SIZE = 64
@@ -327,7 +327,7 @@ def unsupported_architecture_reason(
     windowless = sorted(set(attention_backends) - set(SLIDING_WINDOW_ATTENTION_BACKENDS))
     if arch_table.SLIDING_ATTENTION in (layer_types or ()) and windowless:
         return (f"{names} has sliding-window layers, which UniPrefill serves on the "
-                f"{', '.join(SLIDING_WINDOW_ATTENTION_BACKENDS)} attention backend only "
+                f"{' and '.join(SLIDING_WINDOW_ATTENTION_BACKENDS)} attention backends only "
                 f"(not {', '.join(windowless)})")
     return None
 

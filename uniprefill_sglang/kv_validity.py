@@ -244,6 +244,7 @@ class SeqSlots(NamedTuple):
     slots: torch.Tensor   # [n]
     row: torch.Tensor     # [n] the request (segment) of each slot
     bounds: torch.Tensor  # [bs + 1] int64: segment b is slots[bounds[b]:bounds[b + 1]]
+    pos: torch.Tensor     # [n] int64: each slot's position in its sequence
 
 
 def gather_seq_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -256,7 +257,7 @@ def gather_seq_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     torch.cumsum(lens, 0, out=bounds[1:])
     col = torch.arange(n, device=lens.device) - bounds[row]
     slots = req_to_token[req_pool_indices.to(torch.int64)[row], col]
-    return SeqSlots(slots, row, bounds)
+    return SeqSlots(slots, row, bounds, col)
 
 
 def compact(slots: torch.Tensor, bounds: torch.Tensor, keep: torch.Tensor,
@@ -300,11 +301,16 @@ def compact(slots: torch.Tensor, bounds: torch.Tensor, keep: torch.Tensor,
 
 
 def stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
-                n: int, raw_bs: int, outs=None, indptr_outs=None, dtype=None):
+                n: int, raw_bs: int, outs=None, indptr_outs=None, dtype=None,
+                window: Optional[int] = None, positions: bool = False):
     """The KV list of the first `seq_lens` positions of each request (a decode step's
     sequences, an extend's cached prefixes) at every stage after the first, in one pass:
-    (counts [D, bs], indptr [D, bs + 1], indices [D, >= n + 1]), row k for stage k + 1
-    (`outs` / `indptr_outs`: static [D, ...] buffers to fill).
+    (counts [V, bs], indptr [V, bs + 1], indices [V, >= n + 1]), row k for stage k + 1
+    (`outs` / `indptr_outs`: static [V, ...] buffers to fill). V is D, the later stages, or
+    2D + 1 with a sliding `window`: row D + s then lists, of stage s's KV (stage 0 included,
+    where every slot is valid), the positions a query at the last position sees (`window`
+    positions back at most, counted in original positions, as the torch_native adapter masks
+    them). With `positions`, a fourth tensor [V, >= n + 1] holds each listed slot's position.
 
     A request without dropped KV has every slot at FULL, so it keeps its whole sequence by the
     same rule; the padding rows of a CUDA-graph batch (index >= raw_bs) point at arbitrary
@@ -315,8 +321,17 @@ def stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_len
     keep = st.unsqueeze(0) >= slot_stages.stages_after_first.unsqueeze(1)
     if raw_bs < bs:
         keep |= (seq.row >= raw_bs).unsqueeze(0)
-    return compact(slot_stages.pool_slots_after_first(seq.slots), seq.bounds, keep, out=outs,
-                   indptr_out=indptr_outs, dtype=dtype)
+    slots = slot_stages.pool_slots_after_first(seq.slots)
+    if window is not None:
+        last = seq_lens[:bs].to(torch.int64)[seq.row] - 1
+        recent = (seq.pos >= last - window).unsqueeze(0)
+        keep = torch.cat([keep, recent, keep & recent])
+        slots = torch.cat([slots, seq.slots.to(slots.dtype).unsqueeze(0), slots])
+    views = compact(slots, seq.bounds, keep, out=outs, indptr_out=indptr_outs, dtype=dtype)
+    if not positions:
+        return views
+    _, _, pos = compact(seq.pos.expand(keep.shape[0], n), seq.bounds, keep)
+    return (*views, pos)
 
 
 def extend_stage_slots(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,

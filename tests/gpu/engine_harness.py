@@ -140,3 +140,40 @@ def serve_and_record(name: str, engines: dict, engine_kwargs: dict, model_dir: s
     finally:
         engine.shutdown()
     Path(out_path).write_text(json.dumps(res))
+
+
+def forced_keep_workload(engine, prompt: list, other: list, greedy: dict, forced: dict) -> dict:
+    """The workload of the hybrid-model tests: `prompt` dense (UniPrefill off per request), at
+    top-p 1.0 and at a forced keep; `other` at the forced keep; both batched; then the idle
+    state and whether decode CUDA graphs were on."""
+    def record(out) -> dict:
+        return {"output_ids": out["output_ids"], "uniprefill": out["meta_info"]["uniprefill"]}
+
+    def one(ids, params):
+        return record(engine.generate(input_ids=ids, sampling_params=params))
+
+    res = {"dense": one(prompt, dict(greedy, custom_params={"uniprefill": False})),
+           "full": one(prompt, dict(greedy, custom_params={"uniprefill_top_p": 1.0})),
+           "forced": one(prompt, forced), "other": one(other, forced),
+           "batch": [record(o) for o in engine.generate(input_ids=[prompt, other],
+                                                        sampling_params=forced)]}
+    res["state"] = wait_idle_state(engine)
+    res["cuda_graph"] = not engine.get_server_info().get("disable_cuda_graph", True)
+    return res
+
+
+def random_model_results(script: str, config: dict, engines: dict, timeout_s: float,
+                         prefix: str):
+    """A module fixture's body: a random-weight model of `config` in a temporary folder, every
+    engine of `engines` run on it by `script`; yields their EngineResults (skips without CUDA)."""
+    import tempfile
+
+    if cuda_device_count() < 1:
+        pytest.skip("CUDA not available")
+    from uniprefill_sglang.tools.model_zoo import random_model
+
+    with tempfile.TemporaryDirectory(prefix=f"uniprefill-{prefix}") as tmp:
+        tmp = Path(tmp)
+        model_dir = random_model(tmp / "model", config)
+        yield EngineResults(*run_engines(script, engines, model_dir, tmp, log_dir_or(tmp),
+                                         timeout_s, prefix=prefix))

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_harness import (EngineResults, cuda_device_count, log_dir_or,  # noqa: E402
-                            run_engines, serve_and_record, wait_idle_state)
+from engine_harness import (forced_keep_workload, random_model_results,  # noqa: E402
+                            serve_and_record)
 
 CONFIG = dict(
     architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=512,
@@ -73,35 +72,13 @@ def _prompt(seed: int, n: int) -> list:
 PROMPT, OTHER = _prompt(1, 3000), _prompt(2, 1900)
 
 
-def _record(out) -> dict:
-    return {"output_ids": out["output_ids"], "uniprefill": out["meta_info"]["uniprefill"]}
-
-
 def run_workload(engine) -> dict:
-    res = {"dense": _record(engine.generate(input_ids=PROMPT, sampling_params=dict(
-        GREEDY, custom_params={"uniprefill": False}))),
-        "full": _record(engine.generate(input_ids=PROMPT, sampling_params=dict(
-            GREEDY, custom_params={"uniprefill_top_p": 1.0}))),
-        "forced": _record(engine.generate(input_ids=PROMPT, sampling_params=FORCED)),
-        "other": _record(engine.generate(input_ids=OTHER, sampling_params=FORCED)),
-        "batch": [_record(o) for o in engine.generate(input_ids=[PROMPT, OTHER],
-                                                      sampling_params=FORCED)]}
-    res["state"] = wait_idle_state(engine)
-    res["cuda_graph"] = not engine.get_server_info().get("disable_cuda_graph", True)
-    return res
+    return forced_keep_workload(engine, PROMPT, OTHER, GREEDY, FORCED)
 
 
 @pytest.fixture(scope="module")
 def results():
-    if cuda_device_count() < 1:
-        pytest.skip("CUDA not available")
-    from uniprefill_sglang.tools.model_zoo import random_model
-
-    with tempfile.TemporaryDirectory(prefix="uniprefill-qwen3-next-") as tmp:
-        tmp = Path(tmp)
-        model_dir = random_model(tmp / "model", CONFIG)
-        yield EngineResults(*run_engines(__file__, ENGINES, model_dir, tmp, log_dir_or(tmp),
-                                         TIMEOUT_S, prefix="qwen3_next_engine_"))
+    yield from random_model_results(__file__, CONFIG, ENGINES, TIMEOUT_S, "qwen3_next_engine_")
 
 
 def _meta(rec) -> dict:

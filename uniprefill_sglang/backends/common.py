@@ -40,6 +40,13 @@ def extend_needs_view(ctx, runtime, layer) -> bool:
     return ctx is not None and ctx.is_extend and needs_view(ctx, runtime, layer)
 
 
+def sliding_window(layer) -> Optional[int]:
+    """The layer's window as upstream counts it (a query sees keys at most this many positions
+    back), or None for full attention."""
+    window = getattr(layer, "sliding_window_size", None)
+    return window if window is not None and window > -1 else None
+
+
 def decode_needs_views(ctx, runtime) -> bool:
     return ctx is not None and not ctx.is_extend and needs_view(ctx, runtime)
 
@@ -120,26 +127,27 @@ def extend_view_slots(runtime, req_to_token, fb, stage: int):
                               seq_lens_sum(fb, bs), stage)
 
 
-def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None):
+def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None, positions=False):
     """Extend at `stage` (> 0): each request's valid prefix, the slots of positions before its
     first current row (`ctx.fixed_lens`; for a final chunk whose parked rows rejoined, before
     those rows) whose KV the stage holds. Returns `kv_validity.compact`'s (counts, indptr,
-    indices). Every later stage's view is built at the first call of a forward, in one gather
-    and one compaction (`fixed_lens` changes only at the first drop, before any later stage
-    runs), and cached on the drop context. Under UNIPREFILL_CHECK_KV_LENS the counts are
-    checked against the host's `ctx.prefix_valid`, which the plans use."""
+    indices), and with `positions` each listed slot's position too. Every later stage's view is
+    built at the first call of a forward, in one gather and one compaction (`fixed_lens`
+    changes only at the first drop, before any later stage runs), and cached on the drop
+    context. Under UNIPREFILL_CHECK_KV_LENS the counts are checked against the host's
+    `ctx.prefix_valid`, which the plans use."""
     cache = view_cache(ctx, "prefix_views")
-    views = cache.get(dtype)
+    views = cache.get((dtype, positions))
     if views is None:
         bs = fb.req_pool_indices.shape[0]
         lens = to_device(ctx.fixed_lens, torch.int64, fb.req_pool_indices.device)
         views = stage_views(runtime.slots, req_to_token, fb.req_pool_indices, lens,
-                            sum(ctx.fixed_lens[:bs]), bs, dtype=dtype)
+                            sum(ctx.fixed_lens[:bs]), bs, dtype=dtype, positions=positions)
         if runtime.check_kv_lens:
             for k, counts in enumerate(views[0]):
                 check_kv_lens(torch.tensor([p[k + 1] for p in ctx.prefix_valid]), counts,
                               f"extend prefix stage {k + 1}")
-        cache[dtype] = views
+        cache[(dtype, positions)] = views
     return tuple(v[stage - 1] for v in views)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from uniprefill_sglang.backends.common import StageViewAdapter, needs_view
+from uniprefill_sglang.backends.common import StageViewAdapter, needs_view, sliding_window
 from uniprefill_sglang.context import current
 from uniprefill_sglang.runtime import get_runtime
 
@@ -43,13 +43,6 @@ def _write_kv(backend, layer, loc, k, v, save_kv_cache):
 
     if save_kv_cache and k is not None and v is not None:
         backend.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
-
-
-def sliding_window(layer):
-    """The layer's window as upstream counts it (a query sees keys at most this many positions
-    back), or None for full attention."""
-    window = getattr(layer, "sliding_window_size", None)
-    return window if window is not None and window > -1 else None
 
 
 def _visible(kpos, qpos, window):

@@ -9,11 +9,21 @@ invariant):
   stage before its first current row (`ctx.fixed_lens`; chunked prefill's rejoining parked rows
   are current rows). Built once per stage per forward (cached on the drop context); the layer
   writes KV for the survivors only.
+* Extend on a sliding-window layer (Gemma 3's local layers): upstream's kernel counts the
+  window in KV entries, which is wrong once entries are missing, so the layer runs
+  `kernels.positional_attention` over each request's valid prefix and current rows, masked by
+  their original positions (a query at p sees the keys at p - window .. p).
 * Decode: for a batch holding a request with sparse KV (any batch under the staged KV layout,
   where later stages address their own pools), per-stage kv_indptr / kv_indices /
   num_kv_splits; `forward_decode` swaps them into the metadata for the layers of that stage.
+  A model with sliding-window layers gets, at every decode step and per stage (the first
+  included), the list of the positions its window reaches, which replaces upstream's window
+  list for those layers: upstream's holds the last `window` entries whatever their positions,
+  one key fewer than the model's window (SGLang 0.5.17's `update_sliding_window_buffer`), so
+  with the plugin on such a model decodes over the model's own window, dense requests too.
 * Decode CUDA graphs: per-stage static buffers captured into the graph and refilled on replay
-  outside it (a copy of the dense view for dense batches, a compaction otherwise).
+  outside it (a copy of the dense view for dense batches of a model without windows, a
+  compaction otherwise).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from uniprefill_sglang import kernels
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
@@ -30,21 +41,45 @@ from uniprefill_sglang.backends.common import (
     extend_needs_view,
     prefix_view,
     seq_lens_sum,
+    sliding_window,
     stages_after_first,
     view_cache,
     write_kv,
 )
-from uniprefill_sglang.context import current, to_device
-from uniprefill_sglang.kv_validity import stage_views
+from uniprefill_sglang.context import UniPrefillError, current, to_device
+from uniprefill_sglang.kv_validity import segment_ids, stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
 class _State:
     def __init__(self):
-        # Decode CUDA graphs: row k is stage k + 1.
+        # Decode CUDA graphs: the rows of `stage_views` (row k is stage k + 1; with a window,
+        # row D + s is stage s's window list).
         self.graph_indptr: Optional[torch.Tensor] = None
         self.graph_indices: Optional[torch.Tensor] = None
         self.graph_splits: Optional[torch.Tensor] = None
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _model_window(backend) -> Optional[int]:
+    """The sliding window of the model's local layers (SGLang keeps one per model), or None."""
+    window = backend.sliding_window_size
+    return window if window is not None and window > 0 else None
+
+
+def _decode_views(splits, indptr, indices, num_drops: int, window: Optional[int]) -> dict:
+    """{(stage, windowed): (kv_indptr, kv_indices, num_kv_splits)} from `stage_views`' rows
+    and per-stage splits (the window lists reuse their stage's splits; stage 0's are
+    upstream's, None here)."""
+    views = {(s, False): (indptr[s - 1], indices[s - 1], splits[s - 1])
+             for s in range(1, num_drops + 1)}
+    if window is not None:
+        for s in range(num_drops + 1):
+            views[(s, True)] = (indptr[num_drops + s], indices[num_drops + s],
+                                splits[s - 1] if s else None)
+    return views
 
 
 class TritonAdapter(StageViewAdapter):
@@ -57,8 +92,10 @@ class TritonAdapter(StageViewAdapter):
         if backend.enable_deterministic:
             return "Triton under deterministic inference"
         if (backend.dcp_size != 1 or backend.use_mla or backend._translate_kv_loc is not None
-                or backend.use_sliding_window_kv_pool or backend.sliding_window_size is not None):
-            return "Triton with split-context, MLA, translated or sliding-window KV"
+                or backend.use_sliding_window_kv_pool):
+            return "Triton with split-context, MLA, translated or sliding-window-pool KV"
+        if _model_window(backend) is not None and backend.token_to_kv_pool.dtype in _FP8:
+            return "Triton with sliding-window layers and an fp8 KV cache"
         return None
 
     def hooks(self):
@@ -90,13 +127,69 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
     return view
 
 
+def _window_keys(backend, runtime, ctx, stage: int):
+    """Extend at `stage` on a sliding-window layer: each request's keys, its valid prefix then
+    its current rows (written before attention), as (kv_indptr, kv_indices, kv_pos), the slots
+    in the stage's pool and their original positions. Built once per stage per forward."""
+    cache = view_cache(ctx, "_uniprefill_triton_window_keys")
+    keys = cache.get(stage)
+    if keys is not None:
+        return keys
+    fb = ctx.forward_batch
+    device = fb.req_pool_indices.device
+    counts, indptr, indices, pos = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
+                                               dtype=torch.int64, positions=True)
+    lens = to_device(ctx.lens, torch.int64, device)
+    qo_indptr = torch.zeros(len(ctx.lens) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lens, 0, out=qo_indptr[1:])
+    kv_indptr = indptr.to(torch.int64) + qo_indptr
+    n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
+    n_rows = sum(ctx.lens)
+    kv_indices = torch.empty(n_prefix + n_rows, dtype=torch.int64, device=device)
+    kv_pos = torch.empty_like(kv_indices)
+    # Request b's prefix entries move up by the current rows of the requests before it, its
+    # current rows land after its prefix.
+    ahead = qo_indptr[segment_ids(counts, n_prefix)]
+    to = torch.arange(n_prefix, device=device) + ahead
+    kv_indices[to] = indices[:n_prefix]
+    kv_pos[to] = pos[:n_prefix]
+    to = indptr.to(torch.int64)[segment_ids(lens, n_rows) + 1] + torch.arange(n_rows,
+                                                                             device=device)
+    kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc, stage).to(torch.int64)
+    kv_pos[to] = ctx.positions.to(torch.int64)
+    keys = (qo_indptr, kv_indptr, kv_indices, kv_pos)
+    cache[stage] = keys
+    return keys
+
+
+def _window_extend(backend, runtime, ctx, layer, q, stage: int, window: int):
+    qo_indptr, kv_indptr, kv_indices, kv_pos = _window_keys(backend, runtime, ctx, stage)
+    pool = backend.token_to_kv_pool
+    q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    # Under the prefill graph q has padding rows past the batch's: their output stays zero.
+    rows = ctx.positions.shape[0]
+    out = q.new_zeros((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+    kernels.positional_attention(
+        q[:rows], ctx.positions, qo_indptr,
+        pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+        kv_indptr, kv_indices, kv_pos, layer.scaling, window=window,
+        logit_cap=layer.logit_cap, max_q_len=max(ctx.lens), out=out[:rows])
+    return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_extend`."""
     runtime, ctx = active_runtime(), current()
-    if (not extend_needs_view(ctx, runtime, layer) or k is None or v is None
-            or kwargs.get("score_mod") is not None or not ADAPTER.supported(backend)):
+    if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    if k is None or v is None or kwargs.get("score_mod") is not None or not ADAPTER.supported(
+            backend):
+        # Upstream would read KV this layer's stage does not hold: never fall through to it.
+        why = ADAPTER.unsupported_reason(backend) or (
+            "no new keys" if k is None or v is None else "a score_mod")
+        raise UniPrefillError(f"Triton layer {layer.layer_id} needs a per-stage KV view that "
+                              f"this call cannot take ({why})")
     stage = runtime.stages.stage(layer.layer_id)
     # From the live batch (under the breakable prefill graph `forward_batch` is a static copy).
     kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(
@@ -108,6 +201,9 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         else:
             write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k.clone(), v.clone(),
                      layer.k_scale, layer.v_scale)
+    window = sliding_window(layer)
+    if window is not None:
+        return _window_extend(backend, runtime, ctx, layer, q, stage, window)
     meta = backend.forward_metadata
     saved = (meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len)
     meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len = (
@@ -121,20 +217,31 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 
 
 # ---- decode ----------------------------------------------------------------------------------
+_FULL_FIELDS = ("kv_indptr", "kv_indices", "num_kv_splits")
+_WINDOW_FIELDS = ("window_kv_indptr", "window_kv_indices", "num_kv_splits")
+
+
 def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_decode`: the layer's stage view, when one is set."""
     meta = backend.forward_metadata
     views = getattr(meta, "uniprefill", None)
     runtime = get_runtime()
-    view = views.get(runtime.stages.stage(layer.layer_id)) if views and runtime else None
+    windowed = sliding_window(layer) is not None
+    view = (views.get((runtime.stages.stage(layer.layer_id), windowed))
+            if views and runtime else None)
     if view is None:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    saved = (meta.kv_indptr, meta.kv_indices, meta.num_kv_splits)
-    meta.kv_indptr, meta.kv_indices, meta.num_kv_splits = view
+    fields = _WINDOW_FIELDS if windowed else _FULL_FIELDS
+    if view[2] is None:  # stage 0's window list keeps upstream's splits
+        fields, view = fields[:2], view[:2]
+    saved = tuple(getattr(meta, f) for f in fields)
+    for f, x in zip(fields, view):
+        setattr(meta, f, x)
     try:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     finally:
-        meta.kv_indptr, meta.kv_indices, meta.num_kv_splits = saved
+        for f, x in zip(fields, saved):
+            setattr(meta, f, x)
 
 
 def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
@@ -144,19 +251,20 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
-            or not decode_needs_views(ctx, runtime) or not ADAPTER.supported(backend)):
+            or not ADAPTER.supported(backend)
+            or not (decode_needs_views(ctx, runtime) or _model_window(backend) is not None)):
         return result
     bs = fb.req_pool_indices.shape[0]
-    stages = stages_after_first(runtime)
+    window = _model_window(backend)
     counts, indptr, indices = stage_views(
         runtime.slots, backend.req_to_token, fb.req_pool_indices, fb.seq_lens,
-        seq_lens_sum(fb, bs), bs, dtype=torch.int64)
-    out = {}
-    for s in stages:
-        splits = torch.empty(bs, dtype=torch.int32, device=counts.device)
-        backend.get_num_kv_splits(splits, counts[s - 1])
-        out[s] = (indptr[s - 1], indices[s - 1], splits)
-    backend.forward_metadata.uniprefill = out
+        seq_lens_sum(fb, bs), bs, dtype=torch.int64, window=window)
+    splits = []
+    for s in stages_after_first(runtime):
+        splits.append(torch.empty(bs, dtype=torch.int32, device=counts.device))
+        backend.get_num_kv_splits(splits[-1], counts[s - 1])
+    backend.forward_metadata.uniprefill = _decode_views(
+        splits, indptr, indices, runtime.stages.num_drops, window)
     return result
 
 
@@ -168,9 +276,10 @@ def init_cuda_graph_state(result, backend, *args, **kwargs):
         return result
     st = ADAPTER.state(backend)
     stages = stages_after_first(runtime)
-    st.graph_indptr = backend.kv_indptr.new_zeros((len(stages), backend.kv_indptr.numel()))
+    rows = len(stages) if _model_window(backend) is None else 2 * len(stages) + 1
+    st.graph_indptr = backend.kv_indptr.new_zeros((rows, backend.kv_indptr.numel()))
     st.graph_indices = backend.cuda_graph_kv_indices.new_zeros(
-        (len(stages), backend.cuda_graph_kv_indices.numel()))
+        (rows, backend.cuda_graph_kv_indices.numel()))
     st.graph_splits = backend.cuda_graph_num_kv_splits.new_full(
         (len(stages), backend.cuda_graph_num_kv_splits.numel()), backend.max_kv_splits)
     return result
@@ -189,12 +298,16 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         return result
     bs = fb.batch_size
     stages = stages_after_first(runtime)
+    window = _model_window(backend)
     ctx = current()
-    if not in_capture and decode_has_sparse(ctx):
+    if window is not None or (not in_capture and decode_has_sparse(ctx)):
+        # A model with windows always builds its lists: upstream's window list is not the
+        # model's (see the module's docstring).
         raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
         counts, _, _ = stage_views(
             runtime.slots, backend.req_to_token, fb.req_pool_indices[:bs], fb.seq_lens[:bs],
             seq_lens_sum(fb, bs), raw_bs, outs=st.graph_indices, indptr_outs=st.graph_indptr,
+            window=window,
         )
         for s in stages:
             backend.get_num_kv_splits(st.graph_splits[s - 1][:bs], counts[s - 1])
@@ -206,8 +319,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
             runtime.slots.pool_slots_after_first(backend.cuda_graph_kv_indices[:n]))
         st.graph_splits[:, :bs].copy_(backend.cuda_graph_num_kv_splits[:bs].expand(len(stages), -1))
     if in_capture:
-        backend.forward_metadata.uniprefill = {
-            s: (st.graph_indptr[s - 1][: bs + 1], st.graph_indices[s - 1], st.graph_splits[s - 1])
-            for s in stages
-        }
+        backend.forward_metadata.uniprefill = _decode_views(
+            [st.graph_splits[s - 1] for s in stages], st.graph_indptr[:, : bs + 1],
+            st.graph_indices, len(stages), window)
     return result
