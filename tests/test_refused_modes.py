@@ -79,7 +79,8 @@ def test_the_plugin_refuses_nothing_without_enable_uniprefill(smollm2_path, extr
 
 # The launcher runs: two refused modes, a test-only hook target no SGLang has, and the unified
 # radix tree. Each is a `python -m sglang.launch_server` process (a minute of imports and, for the
-# last two, model loading on the CPU), so they run together, once per module.
+# last two, model loading on the CPU): the first two and the last two run side by side, once
+# per module.
 LAUNCHED_MODES = ["disaggregation-prefill", "page-size"]
 LATE_REFUSALS = {  # refused after the model loaded: the environment that provokes it
     "hook": {"UNIPREFILL_TEST_FAULT": "hook"},
@@ -89,24 +90,30 @@ LATE_REFUSALS = {  # refused after the model loaded: the environment that provok
 
 @pytest.fixture(scope="module")
 def launcher_runs(smollm2_path):
-    """{run id: (return code, output)} of every launcher run above, four at a time."""
+    """{run id: (return code, output)} of every launcher run above."""
     from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
 
-    def run(extra, env_extra):
-        env = {**os.environ, **cpu_engine_env(REPO_ROOT), **env_extra}
+    def run(extra, env_extra, port):
+        # Unbuffered: a scheduler that refuses is killed by its launcher right after it logs why.
+        env = {**os.environ, **cpu_engine_env(REPO_ROOT), "PYTHONUNBUFFERED": "1", **env_extra}
         proc = subprocess.run(
             [sys.executable, "-m", "sglang.launch_server", *_base(smollm2_path),
-             "--host", "127.0.0.1", "--port", "1", *extra],
+             "--host", "127.0.0.1", "--port", str(port), *extra],
             env=env, capture_output=True, text=True, timeout=400, start_new_session=True)
         return proc.returncode, proc.stdout + proc.stderr
 
     flags = {r[0]: r[1] for r in REFUSED}
-    jobs = {m: (flags[m], {}) for m in LAUNCHED_MODES}
-    jobs.update({k: (["--attention-backend", "torch_native"], env)
-                 for k, env in LATE_REFUSALS.items()})
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {k: pool.submit(run, *job) for k, job in jobs.items()}
-        return {k: f.result() for k, f in futures.items()}
+    early = {m: (flags[m], {}) for m in LAUNCHED_MODES}
+    late = {k: (["--attention-backend", "torch_native"], env) for k, env in LATE_REFUSALS.items()}
+
+    def one_after_another(jobs):
+        # Two servers refusing after the model loaded at once lose a refusal's message (a
+        # launcher kills its scheduler before it logs): those run one at a time.
+        return {k: run(*job, 31000 + 1000 * i) for i, (k, job) in enumerate(jobs.items())}
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = [pool.submit(one_after_another, jobs) for jobs in (early, late)]
+        return {k: v for f in runs for k, v in f.result().items()}
 
 
 @pytest.mark.engine
