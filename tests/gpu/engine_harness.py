@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -142,10 +143,25 @@ def serve_and_record(name: str, engines: dict, engine_kwargs: dict, model_dir: s
     Path(out_path).write_text(json.dumps(res))
 
 
-def forced_keep_workload(engine, prompt: list, other: list, greedy: dict, forced: dict) -> dict:
-    """The workload of the hybrid-model tests: `prompt` dense (UniPrefill off per request), at
-    top-p 1.0 and at a forced keep; `other` at the forced keep; both batched; then the idle
-    state and whether decode CUDA graphs were on."""
+# The workload of the hybrid-model tests: 16 greedy tokens, dense or at a forced keep.
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": [0.3, 0.6]})
+
+
+def random_prompts(vocab_size: int, lengths=(3000, 1900)) -> list:
+    """Seeded random token ids, one prompt per length (seeds 1, 2, ...)."""
+    prompts = []
+    for seed, n in enumerate(lengths, start=1):
+        rng = random.Random(seed)
+        prompts.append([rng.randrange(3, vocab_size) for _ in range(n)])
+    return prompts
+
+
+def forced_keep_workload(engine, prompt: list, other: list, greedy: dict = GREEDY,
+                         forced: dict = FORCED) -> dict:
+    """`prompt` dense (UniPrefill off per request), at top-p 1.0 and at a forced keep; `other`
+    at the forced keep; both batched; then the idle state and whether decode CUDA graphs were
+    on."""
     def record(out) -> dict:
         return {"output_ids": out["output_ids"], "uniprefill": out["meta_info"]["uniprefill"]}
 

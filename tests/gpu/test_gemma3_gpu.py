@@ -22,7 +22,6 @@ to a float64 reference on the CPU). Checked, under the staged and the shared KV 
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import (forced_keep_workload, random_model_results,  # noqa: E402
-                            serve_and_record)
+                            random_prompts, serve_and_record)
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention",
                "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -60,21 +59,14 @@ ENGINES = {
                       uniprefill_kv_layout="shared"),
 }
 TRITON = [n for n in ENGINES if n.startswith("tr_")]
-GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": [0.3, 0.6]})
 TIMEOUT_S = 420
 
 
-def _prompt(seed: int, n: int) -> list:
-    rng = random.Random(seed)
-    return [rng.randrange(3, CONFIG["vocab_size"]) for _ in range(n)]
-
-
-PROMPT, OTHER = _prompt(1, 3000), _prompt(2, 1900)
+PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
 
 def run_workload(engine) -> dict:
-    return forced_keep_workload(engine, PROMPT, OTHER, GREEDY, FORCED)
+    return forced_keep_workload(engine, PROMPT, OTHER)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ checked exactly on the CPU in float32 (tests/test_qwen3_next.py), against torch 
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import (forced_keep_workload, random_model_results,  # noqa: E402
-                            serve_and_record)
+                            random_prompts, serve_and_record)
 
 CONFIG = dict(
     architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=512,
@@ -59,21 +58,14 @@ ENGINES = {
     "tr_chunked": dict(attention_backend="triton", chunked_prefill_size=512),
 }
 PAIRS = [("fi_whole", "fi_chunked"), ("tr_whole", "tr_chunked")]
-GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
-FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": [0.3, 0.6]})
 TIMEOUT_S = 360
 
 
-def _prompt(seed: int, n: int) -> list:
-    rng = random.Random(seed)
-    return [rng.randrange(3, CONFIG["vocab_size"]) for _ in range(n)]
-
-
-PROMPT, OTHER = _prompt(1, 3000), _prompt(2, 1900)
+PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
 
 def run_workload(engine) -> dict:
-    return forced_keep_workload(engine, PROMPT, OTHER, GREEDY, FORCED)
+    return forced_keep_workload(engine, PROMPT, OTHER)
 
 
 @pytest.fixture(scope="module")
