@@ -41,3 +41,13 @@ def test_reason_labels_stay_bounded():
     assert reason_label(None) == "" and len(reason_label("x" * 500)) == 120
     # A drop that kept every block is still a drop, with a kept fraction of 1.
     assert request_outcome([_entry(True, None, [600, 600])]) == (DROPPED, "", 1.0)
+
+
+def test_a_request_held_to_every_token_counts_as_dense():
+    """The dropped-mass bound keeps every token of a request it holds (drop.py notes why)."""
+    held = _entry(True, "over the dropped-mass bound: the first drop would let go 0.08 of the "
+                        "mass, over --uniprefill-max-dropped-mass 0", [900, 900, 900])
+    assert request_outcome([held]) == (DENSE, "over the dropped-mass bound", None)
+    # A note on a request that still dropped (e.g. a later drop that kept more) stays a drop.
+    noted = _entry(True, "too few tokens to score at a later drop", [900, 500, 500])
+    assert request_outcome([noted]) == (DROPPED, "", 500 / 900)

@@ -9,8 +9,9 @@ multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before any pr
 * ``sglang:uniprefill_requests_total{outcome, reason}``: ``outcome`` is ``dropped`` (the request's
   last prefill forward ran the drop schedule; it may still have kept every block, see the
   histogram), ``dense`` (``reason`` says why: the request switched it off, the prompt was under
-  the minimum length, logprobs in the batch, no drop layers, ...) or ``no_prefill`` (finished,
-  typically aborted, before its prefill ran).
+  the minimum length, logprobs in the batch, no drop layers, a first drop over the
+  dropped-mass bound, which keeps every token, ...) or ``no_prefill`` (finished, typically
+  aborted, before its prefill ran).
 * ``sglang:uniprefill_kept_fraction``: histogram of the fraction of the prefill's tokens still
   kept after the last drop (last stage's kept tokens over the first stage's), for ``dropped``.
 """
@@ -43,6 +44,9 @@ def request_outcome(entries: Optional[Iterable[dict]]) -> tuple[str, str, Option
     if not last.get("enabled"):
         return DENSE, reason_label(last.get("reason")), None
     kept = last.get("kept_tokens") or []
+    if last.get("reason") and kept and min(kept) == kept[0]:
+        # Held to every token, saying why (e.g. over the dropped-mass bound): it ran dense.
+        return DENSE, reason_label(last["reason"]), None
     fraction = kept[-1] / kept[0] if kept and kept[0] > 0 else None
     return DROPPED, "", fraction
 
