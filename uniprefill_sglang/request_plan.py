@@ -57,6 +57,9 @@ class RequestDecision:
     # A first drop that would let go more than this share of the scored attention mass keeps
     # every token at every drop (drop.py); None: no bound.
     max_dropped_mass: Optional[float] = None
+    # False for a chunk before the prompt's last (parked or not): what concerns the whole
+    # prompt (e.g. why its chunks were not parked) is reported on the final chunk.
+    final_chunk: bool = True
 
     def ratio_at(self, drop_index: int) -> float:
         """Keep ratio of the given drop, or 0.0 for top-p selection."""
@@ -146,11 +149,12 @@ def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional
         # Earlier chunks cannot see the prompt's last queries: they stop at the first drop
         # layer and the final chunk scores their tokens together with its own.
         if prompt_len - cached_len < config.min_tokens_to_drop:
-            return dense("prompt under the minimum length")
+            return dataclasses.replace(dense("prompt under the minimum length"),
+                                       final_chunk=False)
         return RequestDecision(False, top_p, keep_ratio or (),
                                "non-final chunk, parked at the first drop layer",
                                park=True, rid=req.rid, prompt_len=prompt_len,
-                               prefix_policy=policy, cached_len=cached_len)
+                               prefix_policy=policy, cached_len=cached_len, final_chunk=False)
     # The cost rule counts what the step computes: its new tokens and the rows its earlier
     # chunks parked, which rejoin here; a cached prefix only where it may rejoin (re-selection).
     may_reselect = cached_len > 0 and policy in RESTORES_DENSE and config.prefix_checkpoint

@@ -136,7 +136,7 @@ class UniPrefillRuntime:
         """A final chunk whose earlier chunks were refused parking says why; nothing is left to
         remember of the request after it."""
         for b, d in enumerate(ctx.plan.decisions):
-            why = None if d.park else self.parking.refused.pop(d.rid, None)
+            why = self.parking.refused.pop(d.rid, None) if d.final_chunk else None
             if why is not None:
                 ctx.note(b, f"earlier chunks not parked ({why})" + (
                     ": drops among its final chunk's tokens only" if d.enabled else ""))
