@@ -1,9 +1,11 @@
 """Fidelity: UniPrefill (top-p 0.99) agrees with dense SmolLM2 on retrieval cases dense solves.
 
 Pass-key and key-value lookup prompts of 1K-4K tokens (uniprefill_sglang/tools/tasks.py,
-generated locally and deterministically), greedy decoding, SGLang's CPU engine. The agreement
-and the keep ratio realised are printed and written to `$UNIPREFILL_RESULTS_DIR/fidelity.json`
-if set.
+generated locally and deterministically) on a reporting seed, one calibration never sees
+(`tasks.REPORTING_SEEDS`), greedy decoding, SGLang's CPU engine. Dense is the same engine with
+UniPrefill off per request, so that both answers come from one set of weights and kernels; each
+side's cases run as one batch. The agreement and the keep ratio realised are printed and
+written to `$UNIPREFILL_RESULTS_DIR/fidelity.json` if set.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import flush_cache, make_cpu_engine
 
 pytestmark = pytest.mark.engine
 
@@ -27,24 +29,28 @@ MIN_DENSE_CORRECT = 6  # fewer and the agreement figure means nothing
 def cases(smollm2_path):
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.tools.tasks import RETRIEVAL_TASKS, make_cases
+    from uniprefill_sglang.tools.tasks import REPORTING_SEEDS, RETRIEVAL_TASKS, make_cases
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     return make_cases(tokenizer, tasks=RETRIEVAL_TASKS, lengths=LENGTHS, depths=DEPTHS,
-                      seeds=(0,), fmt=os.environ.get("UNIPREFILL_FIDELITY_FORMAT", "chat"))
-
-
-def _answers(model_path, cases, **engine_kwargs):
-    engine = make_cpu_engine(model_path, **engine_kwargs)
-    try:
-        return [engine.generate(input_ids=c.input_ids, sampling_params=GREEDY) for c in cases]
-    finally:
-        engine.shutdown()
+                      seeds=REPORTING_SEEDS[:1],
+                      fmt=os.environ.get("UNIPREFILL_FIDELITY_FORMAT", "chat"))
 
 
 def test_uniprefill_agrees_with_dense_on_retrieval(smollm2_path, cases):
-    dense = _answers(smollm2_path, cases)
-    sparse = _answers(smollm2_path, cases, enable_uniprefill=True, uniprefill_top_p=0.99)
+    engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, uniprefill_top_p=0.99)
+    try:
+        def answers(custom):
+            return engine.generate(input_ids=[c.input_ids for c in cases],
+                                   sampling_params=[dict(GREEDY, custom_params=custom)] * len(cases))
+
+        dense = answers({"uniprefill": False})
+        flush_cache(engine)  # UniPrefill scores every prompt afresh
+        sparse = answers({})
+    finally:
+        engine.shutdown()
+    assert all(d["meta_info"]["uniprefill"][0]["reason"] == "disabled by the request"
+               for d in dense)
 
     solved = [i for i, (c, d) in enumerate(zip(cases, dense)) if c.check(d["text"])]
     agree = [i for i in solved if cases[i].check(sparse[i]["text"])]
