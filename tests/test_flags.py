@@ -144,7 +144,12 @@ def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them
     assert "sliding-window layers" in reason and "torch_native" in reason
     assert "flashinfer" in reason
     assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
-                              attention_backends=["torch_native", "triton"]) == ()
+                              attention_backends=["torch_native", "flashinfer"]) == ()
+    # torch_native and Triton both serve them (Gemma-3-270M's default drop: layer 11).
+    assert unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
+                                           ["torch_native", "triton"]) is None
+    assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
+                              attention_backends=["torch_native", "triton"]) == (11,)
     # A Llama-shaped decoder configured with sliding-window layers (e.g. Qwen2 with
     # use_sliding_window) is refused; all-full layer_types are fine.
     reason = unsupported_architecture_reason(["Qwen2ForCausalLM"], GEMMA3_LAYER_TYPES)
