@@ -171,3 +171,27 @@ def test_valid_slots_with_a_host_count_equals_the_synchronising_form():
             want_slots, want_pos = slots.valid_slots(req_slots, stage)
             got_slots, got_pos = slots.valid_slots(req_slots, stage, count=want_pos.numel())
             assert torch.equal(got_slots, want_slots) and torch.equal(got_pos, want_pos)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_views_list_the_positions_a_sliding_window_reaches(seed):
+    """With a sliding `window` the views gain 2D + 1 rows: row D + s lists, of stage s's KV
+    (stage 0 holds every slot), the positions at most `window` before each sequence's last,
+    in position order; `positions` gives each listed slot's position. Against a loop."""
+    bs = 5
+    stages, req_to_token, rows, lens = _random_pool(seed, bs=bs, max_len=43)
+    window = random.Random(seed).choice([1, 6, 17, 100])
+    n = int(lens.sum())
+    counts, indptr, indices, pos = stage_views(stages, req_to_token, rows, lens, n, bs,
+                                               window=window, positions=True)
+    assert counts.shape == (2 * NUM_DROPS + 1, bs)
+    for row in range(2 * NUM_DROPS + 1):
+        windowed, stage = row >= NUM_DROPS, (row - NUM_DROPS if row >= NUM_DROPS else row + 1)
+        for b in range(bs):
+            r, length = int(rows[b]), int(lens[b])
+            want = [(int(req_to_token[r, p]), p) for p in range(length)
+                    if int(stages.slot_stage[int(req_to_token[r, p])]) >= stage
+                    and (not windowed or p >= length - 1 - window)]
+            lo, hi = int(indptr[row, b]), int(indptr[row, b + 1])
+            assert int(counts[row, b]) == hi - lo == len(want), (row, b)
+            assert list(zip(indices[row, lo:hi].tolist(), pos[row, lo:hi].tolist())) == want
