@@ -246,7 +246,8 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kw
 
 def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     """AROUND `TritonAttnBackend.init_forward_metadata`: per-stage views of a decode batch
-    holding a request with sparse KV."""
+    holding a request with sparse KV, and of every decode batch of a model with sliding-window
+    layers (their window lists)."""
     result = original(backend, forward_batch, *args, **kwargs)
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
