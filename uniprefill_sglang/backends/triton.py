@@ -117,8 +117,11 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
         return view
     bs = fb.req_pool_indices.shape[0]
     device = fb.req_pool_indices.device
-    _, kv_indptr, kv_indices = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
-                                            dtype=torch.int64)
+    # With the positions where sliding-window layers need them (`_window_keys`): one
+    # compaction serves both kinds of layer.
+    _, kv_indptr, kv_indices, *_ = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
+                                                dtype=torch.int64,
+                                                positions=_model_window(backend) is not None)
     lens = to_device(ctx.lens, torch.int64, device)
     qo_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
     torch.cumsum(lens, 0, out=qo_indptr[1:])
@@ -137,11 +140,10 @@ def _window_keys(backend, runtime, ctx, stage: int):
         return keys
     fb = ctx.forward_batch
     device = fb.req_pool_indices.device
+    _, _, qo_indptr, _ = _extend_view(backend, runtime, ctx, fb, stage)
     counts, indptr, indices, pos = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
                                                dtype=torch.int64, positions=True)
-    lens = to_device(ctx.lens, torch.int64, device)
-    qo_indptr = torch.zeros(len(ctx.lens) + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lens, 0, out=qo_indptr[1:])
+    lens = qo_indptr[1:] - qo_indptr[:-1]
     kv_indptr = indptr.to(torch.int64) + qo_indptr
     n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
     n_rows = sum(ctx.lens)
@@ -251,12 +253,12 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     result = original(backend, forward_batch, *args, **kwargs)
     runtime, ctx = active_runtime(), current()
     fb = forward_batch
+    window = _model_window(backend)
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
             or not ADAPTER.supported(backend)
-            or not (decode_needs_views(ctx, runtime) or _model_window(backend) is not None)):
+            or not (decode_needs_views(ctx, runtime) or window is not None)):
         return result
     bs = fb.req_pool_indices.shape[0]
-    window = _model_window(backend)
     counts, indptr, indices = stage_views(
         runtime.slots, backend.req_to_token, fb.req_pool_indices, fb.seq_lens,
         seq_lens_sum(fb, bs), bs, dtype=torch.int64, window=window)
