@@ -70,7 +70,8 @@ def _meta(out) -> dict:
         return {}
     last = entries[-1]
     return {"reason": last.get("reason"), "kept_tokens": last.get("kept_tokens"),
-            "prefix": last.get("prefix"), "finish": out["meta_info"].get("finish_reason")}
+            "prefix": last.get("prefix"), "prefill_cuda_graph": last.get("prefill_cuda_graph"),
+            "finish": out["meta_info"].get("finish_reason")}
 
 
 def start_engine(name: str, args, lengths: list, cfg: dict):
@@ -185,7 +186,7 @@ class Workloads:
         doc_lens = [int(x) for x in self.args.doc_tokens.split(",")]
         for doc_len in doc_lens if "follow" in self.todo else []:
             doc = self.ids(doc_len)
-            first, _ = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
+            first, first_out = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
             follow = []
             for _ in range(3):
                 seconds, out = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
@@ -193,6 +194,7 @@ class Workloads:
                                "cached_tokens": out["meta_info"].get("cached_tokens"),
                                **_meta(out)})
             self.result["follow_ups"][str(doc_len)] = {"first_s": round(first, 4),
+                                                       "first": _meta(first_out),
                                                        "follow": follow}
             self.flush()
             self.save()
