@@ -49,6 +49,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
                                 allocator=model_runner.token_to_kv_pool_allocator)
     runtime.dense_reason = schedule.dense_reason
     runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
+    runtime.parking.cost = _rejoin_cost(model_runner)
     architectures = list(schedule.facts.architectures)
     if runtime.has_schedule and not model_integration.install(
             model_runner.model, runtime, schedule.facts.entry):
@@ -67,6 +68,19 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)
     state.runtime = runtime
     return result
+
+
+def _rejoin_cost(model_runner):
+    """What parking a chunked prompt costs in device memory (parking.RejoinCost)."""
+    from uniprefill_sglang.model_integration import query_size
+    from uniprefill_sglang.parking import RejoinCost
+    from uniprefill_sglang.runtime import slot_bytes_per_layer
+
+    hidden = model_runner.model_config.hidden_size
+    return RejoinCost.for_model(
+        hidden, query_size(model_runner.model) or hidden,
+        max(slot_bytes_per_layer(model_runner.token_to_kv_pool), default=0),
+        model_runner.dtype, model_runner.device)
 
 
 def _check_hooks(model_runner) -> None:
@@ -154,14 +168,16 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     error, ctx = failure
     logger.error("UniPrefill: a %s forward failed in UniPrefill's code; running it again dense",
                  "prefill" if ctx.is_extend else "decode", exc_info=error)
+    why, is_extend = f"{type(error).__name__}: {error}", ctx.is_extend
     runtime.abandon_forward(ctx)
-    if not ctx.is_extend or plan is None:
+    del failure, error, ctx
+    _release_failed_forward()
+    if not is_extend or plan is None:
         for row in runtime.host_rows(forward_batch):
             runtime.kv_gaps.invalidate(row)
         return _run_once(runtime, forward_batch, run)
     # Dense from the prompt's first token: parked rows of earlier chunks and cached prefixes
     # that lack tokens rejoin whole, so no later layer misses a token.
-    why = f"{type(error).__name__}: {error}"
     forward_batch.uniprefill.plan = plan.all_dense(
         f"UniPrefill error, re-prefilled dense: {why}", restore=True)
     result, failure = _attempt(runtime, forward_batch, run)
@@ -172,8 +188,24 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     logger.error("UniPrefill: the dense re-run failed too; failing the requests whose earlier "
                  "chunks it could not recompute", exc_info=failure[0])
     runtime.abandon_forward(failure[1], give_up_parking=True)
+    del failure
+    _release_failed_forward()
     forward_batch.uniprefill.plan = plan.all_dense(f"UniPrefill error, ran dense: {why}")
     return _run_once(runtime, forward_batch, run)
+
+
+def _release_failed_forward() -> None:
+    """Free what a failed forward still holds before the batch runs again: the failure's
+    traceback frames keep its activations alive (after running out of memory in a rejoin,
+    gigabytes), so the re-run would fail where the plain batch fits. The caller drops its own
+    references to the error first."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _attempt(runtime, forward_batch, run):

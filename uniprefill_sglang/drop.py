@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -107,6 +107,16 @@ def rejoining_rows(rt, ctx: DropContext, layer, q) -> Dict[int, ParkedRows]:
     return out
 
 
+def rejoin_bound(config, d, tokens: int) -> Optional[int]:
+    """At most how many of `tokens` parked rows rejoin at the final chunk's first drop: a fixed
+    keep ratio's whole blocks, sinks and last queries; None (all of them) under top-p, or where
+    a dropped-mass bound may keep every row."""
+    ratio = d.ratio_at(0)
+    if not ratio or d.max_dropped_mass is not None:
+        return None
+    return math.ceil(ratio * tokens) + config.block_size + config.sink_tokens + config.last_queries
+
+
 def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     """Per request: park it, skip it, keep it whole, or gather its queries and keys."""
     first_drop = drop_index == 0
@@ -124,8 +134,9 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
             continue
         n = ctx.lens[b]
         own = torch.arange(start, start + n, device=device)
-        if first_drop and d.park and n > 0 and rt.parking.reserve(d.rid, d.prompt_len,
-                                                                  ctx.fixed_lens[b]):
+        if first_drop and d.park and n > 0 and rt.parking.reserve(
+                d.rid, d.prompt_len, ctx.fixed_lens[b],
+                rejoin_bound(rt.config, d, d.prompt_len - ctx.fixed_lens[b])):
             step.parking.append((b, own))
             continue
         if first_drop and d.park and d.rid in rt.parking.refused:

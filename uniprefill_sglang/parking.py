@@ -9,6 +9,13 @@ together with its own; the survivors of both go on through the rest of the model
 A parked chunk's KV slots hold KV for stage 0 only until its final chunk writes the later
 layers, so they must not be shared meanwhile: patches/radix_cache.py keeps them out of the
 radix tree until the whole prompt is prefilled.
+
+Parking is decided at a request's first chunk (`ParkingLot.reserve`): the rest of the prompt
+must fit `--uniprefill-max-parked-tokens` and, on a GPU, the device memory free then
+(`RejoinCost`): the parked rows are held until the final chunk, and the rows that rejoin there
+go through every later layer in one step. A prompt refused parking runs its earlier chunks as
+stock SGLang does and drops among its final chunk's tokens only, so no prompt that stock SGLang
+serves runs out of memory in the rejoin.
 """
 
 from __future__ import annotations
@@ -71,11 +78,53 @@ class ParkingStep:
     finished: List[str] = dataclasses.field(default_factory=list)  # rids whose rows rejoined
 
 
+@dataclasses.dataclass(frozen=True)
+class RejoinCost:
+    """The device memory a chunked prompt's parking and rejoin take, against what is free.
+
+    `parked_row_bytes`: one parked row between chunks (hidden state and residual).
+    `rejoin_row_bytes`: one row of the final chunk's step in a layer after the first drop, where
+    every rejoining row is alive at once (hidden state, residual and the norm's output, the
+    q/k/v projection, the attention's two partial outputs, the output projection; the MLP runs in
+    pieces of a chunk, model_integration.py). `free_bytes()`: device memory available now, None
+    where nothing bounds it (the CPU engine). On one H200 (Llama-3.1-8B shape, 7.7 GiB free after
+    start-up) a 131,000-token prompt with half its rows rejoining fitted and with every row
+    rejoining ran out of memory; this count admits the first and refuses the second."""
+    parked_row_bytes: int
+    rejoin_row_bytes: int
+    free_bytes: Callable[[], Optional[int]]
+
+    @classmethod
+    def for_model(cls, hidden_size: int, query_size: int, kv_row_bytes: int, dtype, device):
+        act = torch.empty((), dtype=dtype).element_size()
+        free = _cuda_free_bytes(device) if torch.device(device).type == "cuda" else _no_bound
+        return cls(parked_row_bytes=2 * hidden_size * act,
+                   rejoin_row_bytes=(4 * hidden_size + 3 * query_size) * act + kv_row_bytes,
+                   free_bytes=free)
+
+    def need(self, parked_rows: int, rejoin_rows: int) -> int:
+        return parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
+
+
+def _no_bound() -> Optional[int]:
+    return None
+
+
+def _cuda_free_bytes(device) -> Callable[[], int]:
+    def free() -> int:
+        """Free device memory plus what torch's allocator holds unused (no device sync)."""
+        unused, _ = torch.cuda.mem_get_info(device)
+        return unused + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+    return free
+
+
 class ParkingLot:
     """Parked rows by request id, and the requests whose prompt exceeds the parking budget."""
 
-    def __init__(self, max_parked_tokens: int):
+    def __init__(self, max_parked_tokens: int, cost: Optional[RejoinCost] = None):
         self.max_parked_tokens = max_parked_tokens
+        self.cost = cost  # None: no memory bound (set by the model runner hook)
         self.enabled = False  # set once the model integration can stop rows at the first drop
         self.rows: Dict[str, ParkedRows] = {}
         self.refused: Dict[str, str] = {}  # rid -> why its chunks do not park
@@ -132,24 +181,38 @@ class ParkingLot:
                 out[b] = parked
         return out
 
-    def reserve(self, rid: str, prompt_len: int, prefix_len: int) -> bool:
+    def reserve(self, rid: str, prompt_len: int, prefix_len: int,
+                rejoin_rows: Optional[int] = None) -> bool:
         """May this non-final chunk park? The first chunk of a request decides for all of them:
-        the rest of the prompt must fit `--uniprefill-max-parked-tokens`."""
+        the rest of the prompt must fit `--uniprefill-max-parked-tokens` and the device memory
+        free now, with at most `rejoin_rows` rows rejoining (None: all of them)."""
         if rid in self.rows:
             return True
         if rid in self.refused or not self.enabled:
             return False
-        if prompt_len - prefix_len > self.max_parked_tokens:
-            self.refused[rid] = "prompt over --uniprefill-max-parked-tokens"
-            log_fallback_once("prompt longer than --uniprefill-max-parked-tokens: earlier "
-                              "chunks run dense, the final chunk drops among its own tokens")
-            return False
+        rest = prompt_len - prefix_len
+        if rest > self.max_parked_tokens:
+            return self._refuse(rid, "prompt over --uniprefill-max-parked-tokens",
+                                "prompt longer than --uniprefill-max-parked-tokens")
+        free = self.cost.free_bytes() if self.cost is not None else None
+        if free is not None:
+            need = self.cost.need(rest, rest if rejoin_rows is None else min(rest, rejoin_rows))
+            if need > free:
+                return self._refuse(rid, f"its rejoin needs {need / 2**30:.1f} GiB of device "
+                                         f"memory, {free / 2**30:.1f} GiB is free",
+                                    "the rejoin of its parked rows would not fit in memory")
         # SGLang's scheduler has one chunked request in flight; anything else parked is left
         # over from an abort that bypassed the hook.
         for stale in [r for r in self.rows if r != rid]:
             self.forget(stale)
         self.rows[rid] = ParkedRows(start_pos=prefix_len)
         return True
+
+    def _refuse(self, rid: str, why: str, kind: str) -> bool:
+        self.refused[rid] = why
+        log_fallback_once(f"{kind}: earlier chunks run dense, the final chunk drops among its "
+                          "own tokens")
+        return False
 
 
 def merge_parked(first: ParkedRows, then: Optional[ParkedRows]) -> ParkedRows:

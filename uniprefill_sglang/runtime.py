@@ -214,7 +214,7 @@ class UniPrefillRuntime:
         free = allocator.available_size()
         if self.slots.staged:
             return self.slots.pools.report(free)
-        per_layer = _slot_bytes_per_layer(self.token_to_kv_pool)
+        per_layer = slot_bytes_per_layer(self.token_to_kv_pool)
         return [dict(stage=0, layers=len(per_layer), size=int(allocator.size), free=int(free),
                      bytes_per_slot=sum(per_layer))]
 
@@ -253,7 +253,7 @@ def _stage_pools(stages: LayerStages, pool, allocator, device):
     if allocator is None:
         raise UniPrefillError("UniPrefill: the staged KV layout needs the KV allocator")
     bytes_per_slot = [0] * (stages.num_drops + 1)
-    for layer, size in enumerate(_slot_bytes_per_layer(pool)):
+    for layer, size in enumerate(slot_bytes_per_layer(pool)):
         bytes_per_slot[stages.stage(layer)] += size
     pools = StagePools(staged.layout, pool.size, staged.sizes, bytes_per_slot, device)
     staged.maps = pools.maps
@@ -265,7 +265,7 @@ def _stage_pools(stages: LayerStages, pool, allocator, device):
     return pools
 
 
-def _slot_bytes_per_layer(pool) -> list:
+def slot_bytes_per_layer(pool) -> list:
     """K+V bytes of one slot, per layer of the pool (of its full-attention layers, for the pool
     of a model with linear-attention layers)."""
     pool = getattr(pool, "full_kv_pool", pool)

@@ -1,0 +1,92 @@
+"""Parking is admitted against the device memory its rejoin needs (parking.RejoinCost).
+
+A chunked prompt parks its earlier chunks' rows at the first drop layer and they go through
+every later layer with the final chunk in one step. On one H200 (Llama-3.1-8B shape, bf16,
+7.7-8.2 GiB free after start-up) a 131,000-token prompt fitted with keep 0.5 at the first drop
+and ran out of memory under top-p, where nearly every row rejoins: the cost model must admit
+the first and refuse the second, and a refused prompt says why.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from uniprefill_sglang.drop import rejoin_bound
+from uniprefill_sglang.parking import ParkingLot, RejoinCost
+
+GiB = 2**30
+# Llama-3.1-8B: hidden 4096, 32 query heads and 8 KV heads of 128, bf16 K and V per slot.
+LLAMA_8B = dict(hidden_size=4096, query_size=4096, kv_row_bytes=2 * 8 * 128 * 2,
+                dtype=torch.bfloat16)
+CONFIG = SimpleNamespace(block_size=64, sink_tokens=128, last_queries=128)
+
+
+def _decision(keep=(), max_dropped_mass=None):
+    keep = tuple(keep)
+    return SimpleNamespace(ratio_at=lambda i: keep[min(i, len(keep) - 1)] if keep else 0.0,
+                           max_dropped_mass=max_dropped_mass)
+
+
+def _lot(free_bytes, max_parked_tokens=1 << 20, **model):
+    cost = RejoinCost.for_model(**{**LLAMA_8B, **model}, device="cpu")
+    lot = ParkingLot(max_parked_tokens,
+                     RejoinCost(cost.parked_row_bytes, cost.rejoin_row_bytes, lambda: free_bytes))
+    lot.enabled = True
+    return lot
+
+
+def test_the_h200_observation_is_admitted_and_refused_as_it_ran():
+    tokens = 131_000
+    keep_half = rejoin_bound(CONFIG, _decision((0.5, 0.8)), tokens)
+    assert keep_half < 0.51 * tokens
+    assert _lot(7.0 * GiB).reserve("keep", tokens, 0, keep_half)
+    top_p = _lot(8.2 * GiB)
+    assert not top_p.reserve("top-p", tokens, 0, rejoin_bound(CONFIG, _decision(), tokens))
+    assert "GiB of device memory" in top_p.refused["top-p"]
+    assert "is free" in top_p.refused["top-p"]
+    # A 32K prompt under top-p parks in the same memory.
+    assert _lot(7.0 * GiB).reserve("32k", 32_768, 0, None)
+
+
+def test_every_row_may_rejoin_under_top_p_or_a_dropped_mass_bound():
+    assert rejoin_bound(CONFIG, _decision(), 10_000) is None
+    assert rejoin_bound(CONFIG, _decision((0.3,), max_dropped_mass=0.05), 10_000) is None
+    # A keep ratio bounds the rejoin to its blocks, sinks and last queries.
+    assert rejoin_bound(CONFIG, _decision((0.3, 0.9)), 10_000) == 3000 + 64 + 128 + 128
+
+
+def test_need_counts_parked_and_rejoining_rows_on_fresh_shapes():
+    rng = random.Random()
+    for _ in range(20):
+        hidden, query = rng.choice((64, 576, 2048, 5120)), rng.choice((64, 576, 4096))
+        kv, dtype = rng.randrange(0, 4096), rng.choice((torch.float32, torch.bfloat16))
+        cost = RejoinCost.for_model(hidden, query, kv, dtype, device="cpu")
+        act = torch.empty((), dtype=dtype).element_size()
+        parked, rejoin = rng.randrange(0, 200_000), rng.randrange(0, 200_000)
+        assert cost.need(parked, rejoin) == (parked * 2 * hidden * act
+                                             + rejoin * ((4 * hidden + 3 * query) * act + kv))
+        assert cost.free_bytes() is None  # nothing bounds the CPU engine
+
+
+def test_the_token_budget_is_checked_first_and_the_memory_bound_is_per_request():
+    lot = _lot(1 * GiB, max_parked_tokens=4096)
+    assert not lot.reserve("long", 8192, 0)
+    assert lot.refused["long"] == "prompt over --uniprefill-max-parked-tokens"
+    # A cached prefix does not park: only the rest of the prompt counts.
+    assert lot.reserve("cached", 40_000, 37_000)
+    assert lot.is_parked("cached")
+    # Decided once, at the first chunk: later chunks of a refused request stay refused.
+    small = _lot(0)
+    assert not small.reserve("r", 2048, 0, 512)
+    assert not small.reserve("r", 2048, 0, 512)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads a GPU's free memory")
+def test_free_memory_is_read_on_a_gpu():
+    cost = RejoinCost.for_model(**LLAMA_8B, device="cuda")
+    free = cost.free_bytes()
+    assert 0 < free <= torch.cuda.mem_get_info()[1]
