@@ -4,6 +4,7 @@ Public API (installed as ``uniprefill_sglang.kernels``):
 
 * ``score_tokens(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale, max_q=None, max_k=None, out=None)``
 * ``select_tokens(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio, sink_tokens, last_window)``
+  and ``select_token_mask(...)`` (the same arguments; the kept candidates as a mask, no host sync)
 * ``positional_attention(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices, kv_pos, sm_scale, window=-1, logit_cap=0.0, max_q_len=None, out=None)``
   (the Triton launcher, ``positional_triton.positional_attention_triton``, reads no device
   tensor on the host: it can be captured in a CUDA graph; the float64 reference is
@@ -39,6 +40,7 @@ from .reference import (
 __all__ = [
     "score_tokens",
     "select_tokens",
+    "select_token_mask",
     "positional_attention",
     "use_triton",
     "positional_attention_reference",
@@ -132,7 +134,7 @@ def select_tokens(
     last_window: the last `last_window` candidates of each segment are always kept.
     Returns (keep_idx int64 [K_total]: ascending indices into the candidate rows enumerated across
     the batch (segment 0's candidates first); new_counts int32 [B]: kept candidates per segment).
-    The Triton path does one host sync (torch.nonzero).
+    The Triton path does one host sync (torch.nonzero); `select_token_mask` does none.
     """
     if use_triton(scores.device):
         from .select_triton import select_tokens_triton
@@ -141,6 +143,24 @@ def select_tokens(
                                     sink_tokens, last_window)
     return select_tokens_reference(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio,
                                    sink_tokens, last_window)
+
+
+def select_token_mask(scores: torch.Tensor, k_pos: torch.Tensor, k_indptr: torch.Tensor, cand_start,
+                      block_size: int, top_p, keep_ratio, sink_tokens: int, last_window: int,
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`select_tokens` as a mask, without a host sync: (keep bool [Nk], entry c for candidate c
+    enumerated across the batch as `select_tokens` numbers them, False past the last candidate;
+    new_counts int32 [B])."""
+    if use_triton(scores.device):
+        from .select_triton import select_token_mask_triton
+
+        return select_token_mask_triton(scores, k_pos, k_indptr, cand_start, block_size, top_p,
+                                        keep_ratio, sink_tokens, last_window)
+    keep_idx, counts = select_tokens_reference(scores, k_pos, k_indptr, cand_start, block_size, top_p,
+                                               keep_ratio, sink_tokens, last_window)
+    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    mask[keep_idx.to(scores.device)] = True
+    return mask, counts.to(scores.device)
 
 
 def positional_attention(

@@ -159,7 +159,14 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def select_tokens_triton(
+def select_tokens_triton(*args, **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton implementation of ``select_tokens`` (see kernels/__init__.py): the kept mask's
+    indices, with one host sync (torch.nonzero)."""
+    mask, counts = select_token_mask_triton(*args, **kwargs)
+    return torch.nonzero(mask).squeeze(1), counts
+
+
+def select_token_mask_triton(
     scores: torch.Tensor,
     k_pos: torch.Tensor,
     k_indptr: torch.Tensor,
@@ -176,14 +183,14 @@ def select_tokens_triton(
     nt: int = 16,
     num_warps: int = 16,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Triton implementation of ``select_tokens`` (see kernels/__init__.py)."""
+    """Triton implementation of ``select_token_mask`` (see kernels/__init__.py): no host sync."""
     device = scores.device
     nseg = k_indptr.numel() - 1
     nk = scores.numel()
     block_size = int(block_size)
     assert block_size >= 1
     if nseg <= 0:
-        return (torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int32, device=device))
+        return (torch.zeros(nk, dtype=torch.bool, device=device), torch.zeros(0, dtype=torch.int32, device=device))
     scores = scores.contiguous()
     if scores.dtype != torch.float32:
         scores = scores.float()
@@ -213,5 +220,4 @@ def select_tokens_triton(
         block_size, int(sink_tokens), int(last_window), 1.0 - RATIO_EPS,
         GCH=gch, BLOCK_A=block_a, BLOCK_S=block_s, NT=nt, BLOCK_T=block_t, **extra,
     )
-    keep_idx = torch.nonzero(mask[:nk]).squeeze(1)
-    return keep_idx, counts
+    return mask[:nk].bool(), counts

@@ -57,8 +57,9 @@ def random_batch(seed: int, heads=(4, 2), dim=16, num_slots=4096):
 def test_select_survivors_matches_the_reference(seed, monkeypatch):
     monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
     cands, key_buffer, scale, rule = random_batch(seed)
-    keep_idx, counts, _ = select_survivors(cands, key_buffer, scale, rule)
-    want_idx, want_counts, _ = select_survivors_reference(cands, key_buffer, scale, rule)
+    got, want = (fn(cands, key_buffer, scale, rule)
+                 for fn in (select_survivors, select_survivors_reference))
+    keep_idx, counts, want_idx, want_counts = got.keep_idx, got.counts, want.keep_idx, want.counts
     assert counts.tolist() == want_counts.tolist()
     assert keep_idx.tolist() == want_idx.tolist()
     num_candidates = sum(k - p for k, p in zip(cands.key_counts, cands.prefix_counts))
@@ -76,9 +77,11 @@ def test_reference_keeps_the_attended_block():
     cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
                            [0], [0.9], [0.0])
     rule = SelectionRule(block_size=32, sink_tokens=4, last_window=0)
-    keep_idx, counts, _ = select_survivors_reference(cands, key_buffer, dim ** -0.5, rule)
+    want = select_survivors_reference(cands, key_buffer, dim ** -0.5, rule)
+    keep_idx, counts = want.keep_idx, want.counts
     assert keep_idx.tolist() == list(range(4)) + list(range(96, 128))
-    got_idx, got_counts, _ = select_survivors(cands, key_buffer, dim ** -0.5, rule)
+    got = select_survivors(cands, key_buffer, dim ** -0.5, rule)
+    got_idx, got_counts = got.keep_idx, got.counts
     assert got_idx.tolist() == keep_idx.tolist() and got_counts.tolist() == counts.tolist()
 
 

@@ -116,10 +116,15 @@ class DropContext:
         """Keep the rows where `keep` is set: the step's own rows, then any parked rows
         rejoining (`parking.JoiningRows`), which go ahead of their request's new rows. The
         hidden states follow at the next layer hook (`apply_pending`)."""
+        from uniprefill_sglang.kv_validity import compact  # kv_validity imports this module
+
         total = sum(rows_per_request)
-        rows = torch.nonzero(keep, as_tuple=True)[0]
-        if rows.numel() == total and not joining.count and not self.parking.to_park:
+        kept = sum(self.lens)  # the drop has set each request's rows: no device read
+        if kept == total and not joining.count and not self.parking.to_park:
             return
+        n = keep.shape[0]
+        rows = compact(torch.arange(n, device=keep.device),
+                       to_device([0, n], torch.int64, keep.device), keep)[2][:kept]
         positions = torch.cat([self.positions.to(torch.int64)] + joining.positions)
         slots = torch.cat([self.out_cache_loc.to(torch.int64)] + joining.slots)
         if joining.count:  # order by (request, position)

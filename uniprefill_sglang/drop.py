@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from uniprefill_sglang.context import DropContext, UniPrefillError, to_device
+from uniprefill_sglang.context import CheckFailed, DropContext, UniPrefillError, to_device
 from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
 from uniprefill_sglang.selection import DropCandidates, prefix_coverage, select_survivors
@@ -79,6 +79,9 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         # The others stay dropped at the first drop, and give back the later stages' slots
         # they kept while parked.
         rt.slots.mark_dropped(joined[~joined_kept], 0)
+    if rt.check_kv_lens and int(keep.sum()) != sum(ctx.lens):  # shrink trusts the host count
+        raise CheckFailed(f"drop at layer {layer.layer_id}: {int(keep.sum())} rows kept on the "
+                          f"device, {sum(ctx.lens)} on the host")
     ctx.shrink(keep, step.joining, rows_per_request, park_sink=rt.parking.append)
     if rt.report_kept_positions:
         ctx.report.kept_digest.append(ctx.position_digest())
@@ -196,14 +199,14 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
     reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
     cands = step.cands
     cands.key_slots = rt.slots.pool_slots(cands.key_slots, stage)
-    keep_idx, counts, mass = select_survivors(
+    selection = select_survivors(
         cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
         reduce)
+    counts, mass = selection.counts, selection.dropped_mass
     if rt.check_tp:
-        rt.tp_agreement.verify(keep_idx, counts)
+        rt.tp_agreement.verify(selection.keep_idx, counts)
     candidate_rows = torch.cat([rows for _, rows, _ in step.selecting])
-    keep.index_fill_(0, candidate_rows, False)
-    keep.index_fill_(0, candidate_rows[keep_idx], True)
+    keep.index_copy_(0, candidate_rows, selection.keep_mask)
     decisions = ctx.plan.decisions
     bounds = [decisions[b].max_dropped_mass for b, _, _ in step.selecting]
     if drop_index == 0 and any(x is not None for x in bounds):
@@ -214,7 +217,7 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
     host_counts, host_mass = host[:num], host[num:]
     # Dropped rows keep KV for the layers up to this one only; rejoined rows that survive
     # get the later layers' KV from the rest of this forward.
-    rt.slots.mark_dropped(ctx.out_cache_loc[~keep[:total]], stage)
+    rt.slots.mark_dropped_where(ctx.out_cache_loc, ~keep[:total], stage)
     for (b, _, joined), count, m, bound in zip(step.selecting, host_counts, host_mass, bounds):
         if joined:
             ctx.report.kept[0][b] = joined + ctx.lens[b]

@@ -88,6 +88,16 @@ class SlotStages:
             if release and self.pools is not None:
                 self.pools.release(slots, stage + 1)
 
+    def mark_dropped_where(self, slots: torch.Tensor, dropped: torch.Tensor, stage: int) -> None:
+        """`mark_dropped(slots[dropped], stage)`, without a host sync where no stage pool takes
+        slots back (`slots` distinct)."""
+        if self.pools is not None:
+            self.mark_dropped(slots[dropped], stage)
+        elif slots.numel():
+            slots = slots.to(torch.int64)
+            current = self.slot_stage.index_select(0, slots)
+            self.slot_stage.index_copy_(0, slots, torch.where(dropped, stage, current))
+
     def valid_mask(self, slots: torch.Tensor, stage: int) -> torch.Tensor:
         return self.slot_stage[slots] >= stage
 

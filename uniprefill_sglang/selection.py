@@ -53,10 +53,15 @@ class SelectionRule:
 
 class Selection(NamedTuple):
     """One drop's selection, every tensor on the candidates' device."""
-    keep_idx: torch.Tensor      # [K] int64: ascending kept candidates, numbered across the batch
+    keep_mask: torch.Tensor     # [C] bool: kept or not, per candidate numbered across the batch
     counts: torch.Tensor        # [B] int32: kept candidates per segment
     dropped_mass: torch.Tensor  # [B] float64 in [0, 1]: share of the segment's candidate
     # scores on the candidates it drops (0 when it drops none, or its candidates score 0)
+
+    @property
+    def keep_idx(self) -> torch.Tensor:
+        """[K] int64: the kept candidates, ascending (one host sync on a GPU)."""
+        return torch.nonzero(self.keep_mask).squeeze(1)
 
 
 def _indptr(counts: List[int]) -> List[int]:
@@ -70,15 +75,16 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
                      rule: SelectionRule,
                      reduce_scores: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                      ) -> Selection:
-    """The kept candidates (ascending indices numbered across the batch, segment 0's candidates
-    first, prefix keys not counted), kept candidates per segment, and the mass each segment
-    lets go; no host sync beyond the kernels' own. `reduce_scores` sums the per-token scores
-    over tensor-parallel ranks, each of which scored with its own heads."""
-    scores, keep_idx, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
-    return Selection(keep_idx, counts, _dropped_mass(cands, scores, keep_idx))
+    """Which candidates are kept (numbered across the batch, segment 0's candidates first,
+    prefix keys not counted), kept candidates per segment, and the mass each segment lets go;
+    no host sync. `reduce_scores` sums the per-token scores over tensor-parallel ranks, each of
+    which scored with its own heads."""
+    scores, keep, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
+    keep = keep[:sum(cands.key_counts) - sum(cands.prefix_counts)]
+    return Selection(keep, counts, _dropped_mass(cands, scores, keep))
 
 
-def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep_idx: torch.Tensor):
+def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor):
     """Per segment: the candidates' scores on dropped candidates over all its candidates'
     scores, in float64, from host-known counts only (no host sync)."""
     device = scores.device
@@ -96,16 +102,15 @@ def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep_idx: torch.T
     rows = torch.arange(num_cands, device=device) + lead.index_select(0, segment)
     cand_scores = scores.index_select(0, rows).to(torch.float64)
     cand_scores = torch.where(cand_scores > 0, cand_scores, 0.0)  # NaN counts as 0, as in select
-    dropped = torch.ones(num_cands, dtype=torch.bool, device=device)
-    dropped.index_fill_(0, keep_idx, False)
     sums[0].index_add_(0, segment, cand_scores)
-    sums[1].index_add_(0, segment, cand_scores * dropped)
+    sums[1].index_add_(0, segment, cand_scores * ~keep)
     total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
     return (sums[1] / total).clamp_(0.0, 1.0)
 
 
 def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
-    """(per-key scores [Nk] fp32, keep_idx, kept counts): the kernels' two steps."""
+    """(per-key scores [Nk] fp32, the kept mask [Nk] over the candidates, kept counts): the
+    kernels' two steps."""
     device = cands.key_slots.device
     q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
     k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
@@ -114,27 +119,25 @@ def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
         k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts))
     if reduce_scores is not None:
         scores = reduce_scores(scores)
-    keep_idx, counts = kernels.select_tokens(
+    keep, counts = kernels.select_token_mask(
         scores, cands.key_pos, k_indptr, to_device(cands.prefix_counts, torch.int64, device),
         rule.block_size, to_device(cands.top_p, torch.float32, device),
         to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
-    return scores, keep_idx, counts
+    return scores, keep, counts
 
 
 def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
                                rule: SelectionRule) -> Selection:
     """`select_survivors` in float64, one request at a time."""
-    keep_idx, counts, masses = [], [], []
-    first_candidate = 0
+    keep_mask, counts, masses = [], [], []
     for scores, keep in _reference_segments(cands, key_buffer, sm_scale, rule):
-        kept = [first_candidate + i for i, k in enumerate(keep) if k]
-        keep_idx += kept
-        counts.append(len(kept))
+        keep = [bool(k) for k in keep]
+        keep_mask += keep
+        counts.append(sum(keep))
         total = sum(max(0.0, float(s)) for s in scores)
         dropped = sum(max(0.0, float(s)) for s, k in zip(scores, keep) if not k)
         masses.append(dropped / total if total > 0 else 0.0)
-        first_candidate += len(keep)
-    return Selection(torch.tensor(keep_idx, dtype=torch.int64),
+    return Selection(torch.tensor(keep_mask, dtype=torch.bool),
                      torch.tensor(counts, dtype=torch.int32),
                      torch.tensor(masses, dtype=torch.float64))
 
@@ -182,9 +185,7 @@ def prefix_coverage(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: f
     if any(cands.prefix_counts):
         raise ValueError("prefix_coverage scores every key as a candidate: prefix_counts must be 0")
     device = cands.key_slots.device
-    scores, keep_idx, _ = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
-    keep = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
-    keep[keep_idx] = True
+    scores, keep, _ = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
     segment = torch.repeat_interleave(
         torch.arange(cands.num_segments, device=device),
         to_device(cands.key_counts, torch.int64, device), output_size=scores.shape[0])
