@@ -14,10 +14,12 @@ chunked prefill, prefill CUDA graphs, radix cache on), over the same prompts:
 Workloads: 64 prompts of 200-1200 tokens in one call, first after start-up (first call and best
 of 3); one request at each of ``--lengths`` (time to first token, ``max_new_tokens=1``; the
 plugin's rows also run the longest prompt at top-p 1.0 and dense per request, and compare their
-16 greedy tokens); 16 prompts of 2K-6K tokens in one call; a cached document of ``--doc-tokens`` with 3 follow-up
-questions of 100 tokens (each follow-up's latency); decode inter-token latency after an 8K
-prompt; ``max_total_num_tokens`` at start-up. Prompts are random token ids that differ from the
-first token on (no accidental cache hits), the same in every configuration.
+16 greedy tokens); 16 prompts of 2K-6K tokens in one call; a cached document of
+``--doc-tokens`` with ``--follow-ups`` questions of 100 tokens (each one's latency and their
+median: two engines of one configuration differed by up to a third on single follow-ups);
+decode inter-token latency after an 8K prompt; ``max_total_num_tokens`` at start-up. Prompts
+are random token ids that differ from the first token on (no accidental cache hits), the same
+in every configuration.
 
     python benchmarks/defaults.py --model-path benchmarks/models/llama-3.1-8b \\
         --configs stock defaults keep --out defaults_h200.json
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -188,14 +191,14 @@ class Workloads:
             doc = self.ids(doc_len)
             first, first_out = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
             follow = []
-            for _ in range(3):
+            for _ in range(self.args.follow_ups):
                 seconds, out = _timed(self.engine, doc + self.ids(100), self.ONE_TOKEN)
                 follow.append({"seconds": round(seconds, 4),
                                "cached_tokens": out["meta_info"].get("cached_tokens"),
                                **_meta(out)})
-            self.result["follow_ups"][str(doc_len)] = {"first_s": round(first, 4),
-                                                       "first": _meta(first_out),
-                                                       "follow": follow}
+            self.result["follow_ups"][str(doc_len)] = {
+                "first_s": round(first, 4), "first": _meta(first_out), "follow": follow,
+                "median_s": statistics.median(f["seconds"] for f in follow)}
             self.flush()
             self.save()
 
@@ -232,6 +235,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--lengths", default="8192,32768,131000")
     ap.add_argument("--doc-tokens", default="32768,65536")
+    ap.add_argument("--follow-ups", type=int, default=8, help="follow-up questions per document")
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
