@@ -9,7 +9,8 @@ its latency is the prefill (time to first token) plus one sampling step.
 Random (`--load-format dummy`) weights give near-uniform attention, where top-p keeps almost
 every block, so speed is measured with fixed keep-ratio schedules (one ratio per drop layer).
 Beside each measured speedup the script prints the FLOP-ideal speedup for the tokens actually
-kept (from the per-stage kept counts the request reports).
+kept (from the per-stage kept counts the request reports; `uniprefill_sglang/flops.py`, each
+layer priced at its kind).
 
     python benchmarks/bench_prefill.py --model-path /path/llama31-8b-config \\
         --lengths 8192,32768,65536,131072 --schedules 0.3 0.5 0.7 0.9 0.5,0.8 --out results.json
@@ -24,32 +25,9 @@ import time
 
 import torch
 from result_header import result_header
+from transformers import AutoConfig
 
-
-def layer_flops(n_tokens: int, cfg: dict) -> float:
-    """FLOPs of one decoder layer on n tokens of one request (causal attention over them).
-
-    Linear layers: 2 * params * n. Attention: QK^T and PV over a causal n x n triangle,
-    2 * 2 * Hq * D * n^2 / 2.
-    """
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hq = cfg["num_attention_heads"]
-    hkv = cfg.get("num_key_value_heads", hq)
-    d = cfg.get("head_dim") or h // hq
-    params = h * (hq * d + 2 * hkv * d) + hq * d * h + 3 * h * inter
-    return 2.0 * params * n_tokens + 2.0 * hq * d * n_tokens * n_tokens
-
-
-def flop_ideal_speedup(kept: list, drop_layers: list, cfg: dict) -> float:
-    """Dense FLOPs / UniPrefill FLOPs, layer by layer with the tokens each stage holds."""
-    n_layers = cfg["num_hidden_layers"]
-    dense = n_layers * layer_flops(kept[0], cfg)
-    sparse, stage = 0.0, 0
-    for layer in range(n_layers):
-        sparse += layer_flops(kept[stage], cfg)
-        if stage < len(drop_layers) and layer == drop_layers[stage]:
-            stage += 1
-    return dense / sparse
+from uniprefill_sglang.flops import FlopShape, flop_ideal_speedup
 
 
 def engine_kwargs_for(args, lengths) -> dict:
@@ -213,7 +191,7 @@ def start_engine(args, lengths: list) -> tuple:
 
 
 def measure(runner: Runner, length: int, conc: int, schedule: str, args, drop_layers: list,
-            cfg: dict) -> dict:
+            shape: FlopShape) -> dict:
     """One schedule at one length and concurrency: dense and UniPrefill alternating over the
     repeats (so drift hits both alike), medians of their mean TTFTs."""
     custom = {"uniprefill_keep_ratio": schedule}
@@ -229,7 +207,7 @@ def measure(runner: Runner, length: int, conc: int, schedule: str, args, drop_la
     dense, up = statistics.median(dense_t), statistics.median(up_t)
     row = dict(length=length, concurrency=conc, schedule=schedule, dense_s=dense,
                uniprefill_s=up, speedup=dense / up,
-               flop_ideal=flop_ideal_speedup(kept[0], drop_layers, cfg), kept=kept[0],
+               flop_ideal=flop_ideal_speedup([kept[0]], drop_layers, shape), kept=kept[0],
                kept_fraction=sum(k[-1] for k in kept) / sum(k[0] for k in kept))
     if args.itl_probe:
         row.update(itl_dense_ms=_ms(itl_d), itl_uniprefill_ms=_ms(itl_u))
@@ -256,6 +234,9 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     cfg = json.load(open(f"{args.model_path}/config.json"))
+    # The FLOP model prices each layer by its kind: the config as transformers completes it
+    # (Gemma 3's layer kinds from its sliding-window pattern).
+    shape = FlopShape.from_config(AutoConfig.from_pretrained(args.model_path))
     engine, setup = start_engine(args, lengths)
     runner = Runner(engine, cfg["vocab_size"], max(lengths) + 64)
     rows = []
@@ -273,7 +254,7 @@ def main() -> None:
             runner.batch(length, DENSE, 1)  # warm-up for this shape
             for schedule in args.schedules:
                 rows.append(measure(runner, length, conc, schedule, args, setup["drop_layers"],
-                                    cfg))
+                                    shape))
                 print(table_line(rows[-1]), flush=True)
                 save()
     engine.shutdown()

@@ -25,8 +25,9 @@ Two steps, so that the search stays cheap:
    seeds both come from ``tasks.TUNING_SEEDS``; the ``REPORTING_SEEDS`` that reported figures
    use are refused.
 
-FLOP saving: the prefill FLOPs of the kept tokens per stage (attention and MLP per layer; the
-drop layer's attention still sees every token, its MLP only the survivors) against dense.
+FLOP saving: the prefill FLOPs of the kept tokens per stage (flops.py: each layer priced at its
+kind, sliding-window and linear layers at their own cost; the drop layer's attention still sees
+every token, its MLP only the survivors) against dense.
 
 Output: a profile JSON (``--uniprefill-profile`` reads it), a PNG heat map beside it (per drop
 layer: kept fraction and needle survival at each top-p, for a single drop there) and a table.
@@ -49,7 +50,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from uniprefill_sglang import environ
+from uniprefill_sglang import environ, flops
+from uniprefill_sglang.architectures import layer_kinds
+from uniprefill_sglang.flops import FlopShape
 
 NEEDLE_TASKS = ("niah_number", "niah_uuid", "niah_word", "niah_multikey", "niah_multivalue")
 TOP_P_GRID = (0.98, 0.99, 0.995, 0.998, 0.999)
@@ -82,17 +85,33 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    # Each layer's cost by its kind (flops.py); None: every layer full attention with a dense
+    # MLP of the fields above.
+    flop_shape: Optional[FlopShape] = None
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
-        cfg = getattr(cfg, "text_config", cfg)
-        heads = cfg.num_attention_heads
-        return cls(architecture=(getattr(cfg, "architectures", None) or ["?"])[0],
-                   num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                   intermediate_size=cfg.intermediate_size, num_heads=heads,
-                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-                   context_length=getattr(cfg, "max_position_embeddings", 8192))
+        text = getattr(cfg, "text_config", cfg)
+        heads = text.num_attention_heads
+        return cls(architecture=(getattr(text, "architectures", None) or ["?"])[0],
+                   num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+                   intermediate_size=text.intermediate_size, num_heads=heads,
+                   num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                   context_length=getattr(text, "max_position_embeddings", 8192),
+                   flop_shape=FlopShape.from_config(cfg))
+
+    @property
+    def flops(self) -> FlopShape:
+        if self.flop_shape is not None:
+            return self.flop_shape
+        h, d = self.hidden_size, self.head_dim
+        return FlopShape(
+            num_heads=self.num_heads, head_dim=d,
+            attention_params=h * (self.num_heads * d + 2 * self.num_kv_heads * d)
+            + self.num_heads * d * h,
+            mlp_params=3 * h * self.intermediate_size,
+            layer_kinds=layer_kinds(None, self.num_layers))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,29 +119,15 @@ class ModelShape:
 
 
 def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: ModelShape) -> float:
-    """Prefill FLOPs of one prompt whose stage s holds ``kept[s]`` tokens (kept[0]: the prompt).
-
-    Per layer: the attention sublayer (projections and a causal n x n attention) runs on the
-    tokens entering the layer; at a drop layer the MLP runs on the survivors only."""
-    h, d = shape.hidden_size, shape.head_dim
-    attn_params = h * (shape.num_heads * d + 2 * shape.num_kv_heads * d) + shape.num_heads * d * h
-    mlp_params = 3 * h * shape.intermediate_size
-    total, stage = 0.0, 0
-    for layer in range(shape.num_layers):
-        n = kept[min(stage, len(kept) - 1)]
-        total += 2.0 * attn_params * n + 2.0 * shape.num_heads * d * n * n
-        if stage < len(drop_layers) and layer == drop_layers[stage]:
-            stage += 1
-        total += 2.0 * mlp_params * kept[min(stage, len(kept) - 1)]
-    return total
+    """Prefill FLOPs of one prompt whose stage s holds ``kept[s]`` tokens (kept[0]: the prompt;
+    flops.py)."""
+    return flops.prefill_flops(kept, drop_layers, shape.flops)
 
 
 def flop_ideal_speedup(kept_per_case: Sequence[Sequence[int]], drop_layers: Sequence[int],
                        shape: ModelShape) -> float:
     """Dense FLOPs over UniPrefill FLOPs, summed over the cases."""
-    dense = sum(prefill_flops([k[0]], (), shape) for k in kept_per_case)
-    sparse = sum(prefill_flops(k, drop_layers, shape) for k in kept_per_case)
-    return dense / sparse if sparse else 1.0
+    return flops.flop_ideal_speedup(kept_per_case, drop_layers, shape.flops)
 
 
 # ---------------------------------------------------------------------------------------------

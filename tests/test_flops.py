@@ -1,0 +1,117 @@
+"""The FLOP model (uniprefill_sglang/flops.py) against a plain count: rows at explicit positions,
+every query's visible keys counted one by one, layer by layer with the rows each stage holds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from uniprefill_sglang.architectures import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from uniprefill_sglang.flops import (
+    FlopShape,
+    attended_pairs,
+    flop_ideal_speedup,
+    layer_flops,
+    prefill_flops,
+)
+
+
+def _spread(n: int, prompt_len: int) -> list:
+    """n survivors evenly spread over a prompt (the model's assumption after a drop)."""
+    return [round(i * prompt_len / n) for i in range(n)]
+
+
+def _pairs_reference(positions: list, window) -> int:
+    """Query-key pairs a causal (window: at most that many positions back) mask lets through."""
+    return sum(1 for i, p in enumerate(positions) for q in positions[:i + 1]
+               if window is None or q >= p - window)
+
+
+def _prefill_reference(kept: list, drop_layers: list, shape: FlopShape) -> float:
+    prompt, total, stage = kept[0], 0.0, 0
+    for layer, kind in enumerate(shape.layer_kinds):
+        rows = _spread(kept[min(stage, len(kept) - 1)], prompt)
+        n = len(rows)
+        if kind == LINEAR_ATTENTION:
+            total += 2 * shape.linear_params * n + shape.linear_state_flops * n
+        else:
+            window = shape.sliding_window if kind == SLIDING_ATTENTION else None
+            total += 2 * shape.attention_params * n + \
+                4 * shape.num_heads * shape.head_dim * _pairs_reference(rows, window)
+        if stage < len(drop_layers) and layer == drop_layers[stage]:
+            stage += 1
+        total += 2 * shape.mlp_params * kept[min(stage, len(kept) - 1)]
+    return total
+
+
+def test_attended_pairs_counts_the_mask_on_fresh_sizes():
+    rng = random.Random()
+    for _ in range(40):
+        n, window = rng.randrange(1, 300), rng.choice([None, rng.randrange(0, 400)])
+        # Dense rows: a window of W positions back holds W + 1 rows.
+        want = _pairs_reference(list(range(n)), window)
+        assert attended_pairs(n, None if window is None else window + 1) == want
+
+
+def _random_shape(rng, kinds, window=0) -> FlopShape:
+    return FlopShape(num_heads=rng.choice((2, 8)), head_dim=rng.choice((16, 64)),
+                     attention_params=rng.randrange(1, 10**6), mlp_params=rng.randrange(1, 10**6),
+                     layer_kinds=tuple(kinds), sliding_window=window,
+                     linear_params=rng.randrange(1, 10**6), linear_state_flops=rng.randrange(1, 10**4))
+
+
+def test_prefill_flops_equals_the_count_dense_and_after_drops():
+    rng = random.Random()
+    for _ in range(6):
+        depth = rng.randrange(6, 9)
+        kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION))
+                 for _ in range(depth)]
+        shape = _random_shape(rng, kinds, window=rng.randrange(8, 64))
+        prompt = rng.randrange(150, 300)
+        drops = sorted(rng.sample(range(1, depth - 1), 2))
+        kept = [prompt, rng.randrange(60, prompt), rng.randrange(20, 60)]
+        # Dense: exact.
+        assert prefill_flops([prompt], (), shape) == _prefill_reference([prompt], [], shape)
+        # After a drop the window's share is an estimate: within 3% of the explicit count.
+        got, want = prefill_flops(kept, drops, shape), _prefill_reference(kept, drops, shape)
+        assert got == pytest.approx(want, rel=0.03)
+
+
+def test_a_window_costs_less_than_full_attention():
+    rng = random.Random(7)
+    full = _random_shape(rng, [FULL_ATTENTION] * 8)
+    sliding = FlopShape(**{**full.__dict__, "layer_kinds": (SLIDING_ATTENTION,) * 7 +
+                           (FULL_ATTENTION,), "sliding_window": 128})
+    n = 16384
+    assert prefill_flops([n], (), sliding) < prefill_flops([n], (), full)
+    assert flop_ideal_speedup([[n, n // 4]], (3,), sliding) > 1.0
+    # Keeping a quarter of the rows, spread over the prompt, leaves a quarter in each window:
+    # both kinds of attention shrink about 16x.
+    no_projection = FlopShape(**{**sliding.__dict__, "attention_params": 0})
+    for kind, saving in ((SLIDING_ATTENTION, 16), (FULL_ATTENTION, 16)):
+        dense = layer_flops(no_projection, kind, n, n)
+        assert dense / layer_flops(no_projection, kind, n // 4, n) == pytest.approx(saving, rel=0.02)
+
+
+def test_shapes_from_configs():
+    from transformers import Gemma3TextConfig
+
+    gemma = FlopShape.from_config(Gemma3TextConfig(num_hidden_layers=12, sliding_window=512,
+                                                   hidden_size=640, intermediate_size=2048,
+                                                   num_attention_heads=4, num_key_value_heads=1,
+                                                   head_dim=256))
+    assert [i for i, k in enumerate(gemma.layer_kinds) if k == FULL_ATTENTION] == [5, 11]
+    assert gemma.sliding_window == 512 and gemma.mlp_params == 3 * 640 * 2048
+    # Qwen3-Next (as config.json): linear layers, a gated q, routed and shared experts.
+    next_cfg = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, attn_output_gate=True,
+                    intermediate_size=1024, moe_intermediate_size=128, num_experts_per_tok=2,
+                    shared_expert_intermediate_size=256, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"])
+    shape = FlopShape.from_config(next_cfg)
+    assert shape.layer_kinds == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
+    assert shape.mlp_params == 3 * 256 * (2 * 128 + 256)
+    assert shape.attention_params == 256 * (2 * 4 * 64 + 2 * 2 * 64) + 4 * 64 * 256
+    assert shape.linear_state_flops == 4 * 4 * 32 * 32

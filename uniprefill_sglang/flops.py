@@ -1,0 +1,136 @@
+"""Prefill FLOPs with the tokens each drop stage holds, every layer priced at its own kind.
+
+The FLOP-ideal speedup of a drop schedule is dense prefill FLOPs over UniPrefill's, for the
+tokens actually kept (`kept[s]`: the rows stage s runs on; `kept[0]` the prompt). Per layer:
+
+* the token mixer on the rows entering the layer: its projections (2 FLOPs per parameter per
+  row) plus, by kind, causal attention over all earlier rows (full attention), over the rows
+  within its window (sliding-window attention, the window measured in original positions), or a
+  recurrent state update and read-out per row (linear attention, e.g. Gated DeltaNet);
+* the MLP, or the experts a token is routed to, on the rows leaving it (at a drop layer the
+  survivors: the drop comes right after the layer's attention).
+
+After a drop the survivors of a sliding-window layer are spread over the whole prompt; the
+model takes them as evenly spread, so a window of W positions holds about W * kept / prompt of
+them. Norms, embeddings and the logits are left out (the same on both sides, or small).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Optional, Sequence, Tuple
+
+from uniprefill_sglang.architectures import (
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+    config_layer_types,
+    layer_kinds,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopShape:
+    """What the FLOP count needs of a model, per token and per layer kind."""
+    num_heads: int
+    head_dim: int
+    attention_params: int  # q/k/v/o projections of a (full or sliding) attention layer
+    mlp_params: int  # the MLP, or the routed and shared experts one token runs through
+    layer_kinds: Tuple[str, ...]
+    sliding_window: int = 0  # a query sees keys at most this many positions back
+    linear_params: int = 0  # projections of a linear-attention layer
+    linear_state_flops: int = 0  # its state update and read-out, per token
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @classmethod
+    def from_config(cls, cfg) -> "FlopShape":
+        """From a Hugging Face config object or a config.json dict (its text config for a
+        multimodal model)."""
+        if isinstance(cfg, dict):
+            cfg = SimpleNamespace(**(cfg.get("text_config") or cfg))
+        else:
+            cfg = getattr(cfg, "text_config", None) or cfg
+
+        def get(key):
+            return getattr(cfg, key, None)
+
+        h, heads = get("hidden_size"), get("num_attention_heads")
+        kv_heads = get("num_key_value_heads") or heads
+        d = get("head_dim") or h // heads
+        q_out = heads * d * (2 if get("attn_output_gate") else 1)  # Qwen3-Next gates its output
+        return cls(
+            num_heads=heads, head_dim=d,
+            attention_params=h * (q_out + 2 * kv_heads * d) + heads * d * h,
+            mlp_params=3 * h * _mlp_width(get),
+            layer_kinds=layer_kinds(config_layer_types(cfg), get("num_hidden_layers")),
+            sliding_window=get("sliding_window") or 0,
+            linear_params=_linear_params(get, h), linear_state_flops=_linear_state_flops(get))
+
+
+def _mlp_width(get) -> int:
+    """Intermediate width one token runs through: the MLP's, or its routed experts' and the
+    shared expert's."""
+    experts = get("num_experts_per_tok")
+    if experts and get("moe_intermediate_size"):
+        return experts * get("moe_intermediate_size") + (
+            get("shared_expert_intermediate_size") or 0)
+    return get("intermediate_size")
+
+
+def _linear_params(get, h: int) -> int:
+    """Gated DeltaNet projections: q, k, v and the output gate in, two gates per value head,
+    the output back."""
+    hk, hv = get("linear_num_key_heads"), get("linear_num_value_heads")
+    if not hk or not hv:
+        return 0
+    dk, dv = get("linear_key_head_dim"), get("linear_value_head_dim")
+    return h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + hv * dv * h
+
+
+def _linear_state_flops(get) -> int:
+    """Per token: the state update (a rank-one write) and the read-out, each a dk x dv product
+    per value head."""
+    hv = get("linear_num_value_heads")
+    return 4 * hv * get("linear_key_head_dim") * get("linear_value_head_dim") if hv else 0
+
+
+def attended_pairs(n: int, window: Optional[int] = None) -> int:
+    """Query-key pairs of causal attention over n rows in position order, each row seeing at
+    most `window` rows (itself included; None: all earlier rows)."""
+    w = n if window is None else max(1, min(n, window))
+    return w * (w + 1) // 2 + (n - w) * w
+
+
+def layer_flops(shape: FlopShape, kind: str, n: int, prompt_len: int) -> float:
+    """The token mixer of one layer of `kind` on n rows of a prompt of `prompt_len` tokens."""
+    if kind == LINEAR_ATTENTION:
+        return 2.0 * shape.linear_params * n + shape.linear_state_flops * n
+    window = None
+    if kind == SLIDING_ATTENTION and shape.sliding_window:
+        window = round((shape.sliding_window + 1) * n / max(prompt_len, 1))
+    # QK^T and PV: 2 FLOPs per multiply-add, head_dim of each per head and pair.
+    return 2.0 * shape.attention_params * n + 4.0 * shape.num_heads * shape.head_dim * \
+        attended_pairs(n, window)
+
+
+def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: FlopShape) -> float:
+    """Prefill FLOPs of one prompt whose stage s holds `kept[s]` rows (the last repeats)."""
+    total, stage = 0.0, 0
+    for layer, kind in enumerate(shape.layer_kinds):
+        total += layer_flops(shape, kind, kept[min(stage, len(kept) - 1)], kept[0])
+        if stage < len(drop_layers) and layer == drop_layers[stage]:
+            stage += 1
+        total += 2.0 * shape.mlp_params * kept[min(stage, len(kept) - 1)]
+    return total
+
+
+def flop_ideal_speedup(kept_per_prompt: Sequence[Sequence[int]], drop_layers: Sequence[int],
+                       shape: FlopShape) -> float:
+    """Dense FLOPs over UniPrefill FLOPs, summed over the prompts."""
+    dense = sum(prefill_flops([k[0]], (), shape) for k in kept_per_prompt)
+    sparse = sum(prefill_flops(k, drop_layers, shape) for k in kept_per_prompt)
+    return dense / sparse if sparse else 1.0
+
