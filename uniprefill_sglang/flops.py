@@ -48,7 +48,8 @@ class FlopShape:
     @classmethod
     def from_config(cls, cfg) -> "FlopShape":
         """From a Hugging Face config object or a config.json dict (its text config for a
-        multimodal model)."""
+        multimodal model). A dict gives layer kinds only where it lists them (`layer_types`);
+        transformers' config object derives them (Gemma 3's from its sliding-window pattern)."""
         if isinstance(cfg, dict):
             cfg = SimpleNamespace(**(cfg.get("text_config") or cfg))
         else:
