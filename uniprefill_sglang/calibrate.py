@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from uniprefill_sglang import environ, flops
-from uniprefill_sglang.architectures import layer_kinds
 from uniprefill_sglang.flops import FlopShape
 
 NEEDLE_TASKS = ("niah_number", "niah_uuid", "niah_word", "niah_multikey", "niah_multivalue")
@@ -105,13 +104,10 @@ class ModelShape:
     def flops(self) -> FlopShape:
         if self.flop_shape is not None:
             return self.flop_shape
-        h, d = self.hidden_size, self.head_dim
-        return FlopShape(
-            num_heads=self.num_heads, head_dim=d,
-            attention_params=h * (self.num_heads * d + 2 * self.num_kv_heads * d)
-            + self.num_heads * d * h,
-            mlp_params=3 * h * self.intermediate_size,
-            layer_kinds=layer_kinds(None, self.num_layers))
+        return FlopShape.from_config(dict(
+            num_hidden_layers=self.num_layers, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim))
 
 
 # ---------------------------------------------------------------------------------------------
