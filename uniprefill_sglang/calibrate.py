@@ -84,9 +84,16 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
-    # Each layer's cost by its kind (flops.py); None: every layer full attention with a dense
+    # Each layer's cost by its kind (flops.py); unset: every layer full attention with a dense
     # MLP of the fields above.
-    flop_shape: Optional[FlopShape] = None
+    flops: Optional[FlopShape] = None
+
+    def __post_init__(self):
+        if self.flops is None:
+            self.flops = FlopShape.from_config(dict(
+                num_hidden_layers=self.num_layers, hidden_size=self.hidden_size,
+                intermediate_size=self.intermediate_size, num_attention_heads=self.num_heads,
+                num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim))
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
@@ -98,16 +105,7 @@ class ModelShape:
                    num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                    context_length=getattr(text, "max_position_embeddings", 8192),
-                   flop_shape=FlopShape.from_config(cfg))
-
-    @property
-    def flops(self) -> FlopShape:
-        if self.flop_shape is not None:
-            return self.flop_shape
-        return FlopShape.from_config(dict(
-            num_hidden_layers=self.num_layers, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim))
+                   flops=FlopShape.from_config(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
