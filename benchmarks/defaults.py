@@ -11,15 +11,16 @@ chunked prefill, prefill CUDA graphs, radix cache on), over the same prompts:
 * ``keep_every_step``: ``keep`` with the cost rule off (``uniprefill_min_prompt_tokens=0``), to
   find the step size below which a drop does not pay.
 
-Workloads: 64 prompts of 200-1200 tokens in one call, first after start-up (first call and best
-of 3); one request at each of ``--lengths`` (time to first token, ``max_new_tokens=1``; the
-plugin's rows also run the longest prompt at top-p 1.0 and dense per request, and compare their
-16 greedy tokens); 16 prompts of 2K-6K tokens in one call; a cached document of
-``--doc-tokens`` with ``--follow-ups`` questions of 100 tokens (each one's latency and their
-median: two engines of one configuration differed by up to a third on single follow-ups);
-decode inter-token latency after an 8K prompt; ``max_total_num_tokens`` at start-up. Prompts
-are random token ids that differ from the first token on (no accidental cache hits), the same
-in every configuration.
+Workloads: 64 prompts of 200-1200 tokens in one call, first after start-up (first call, best
+and median of 3); one request at a time at each of ``--lengths`` (time to first token,
+``max_new_tokens=1``; the median of ``--repeats`` fresh prompts up to 32K tokens, and the first;
+the plugin's rows time the same prompts dense in the same engine, and run the longest prompt at
+top-p 1.0 and dense per request and compare their 16 greedy tokens); 16 prompts of 2K-6K tokens
+in one call (median of 3); a cached document of ``--doc-tokens`` with ``--follow-ups``
+questions of 100 tokens (each one's latency and their median: two engines of one configuration
+differed by up to a third on single follow-ups); decode inter-token latency after an 8K prompt;
+``max_total_num_tokens`` at start-up. Prompts are random token ids that differ from the first
+token on (no accidental cache hits), the same in every configuration.
 
     python benchmarks/defaults.py --model-path benchmarks/models/llama-3.1-8b \\
         --configs stock defaults keep --out defaults_h200.json
@@ -61,6 +62,10 @@ def _timed(engine, prompts, params):
         out = {"error": f"{type(error).__name__}: {error}"[:500], "meta_info": {},
                "output_ids": None}
     return time.perf_counter() - start, out
+
+
+def _median(seconds: list) -> float:
+    return round(statistics.median(seconds), 4)
 
 
 def _meta(out) -> dict:
@@ -152,18 +157,32 @@ class Workloads:
             times.append(round(seconds, 4))
             self.flush()
         if times:
-            self.result["short_batch"] = {"first_s": times[0], "best_s": min(times)}
+            self.result["short_batch"] = {"first_s": times[0], "best_s": min(times),
+                                          "median_s": _median(times)}
 
     def singles(self) -> None:
+        """Each length's prompts, one at a time: `--repeats` fresh prompts up to 32K tokens (one
+        above), their median and the first. The plugin's rows also time each prompt dense in
+        the same engine (UniPrefill off per request): the engine's own share of a difference."""
         self.result["single"] = {}
         for n in self.lengths if "single" in self.todo else []:
-            prompt = self.ids(n)
-            seconds, out = _timed(self.engine, prompt, self.ONE_TOKEN)
-            row = {"ttft_s": round(seconds, 4), **_meta(out)}
+            prompts = [self.ids(n) for _ in range(self.args.repeats if n <= 32768 else 1)]
+            times, dense_times = [], []
+            for prompt in prompts:
+                seconds, out = _timed(self.engine, prompt, self.ONE_TOKEN)
+                times.append(round(seconds, 4))
+                self.flush()
+                if self.plugin and len(prompts) > 1:
+                    seconds, _ = _timed(self.engine, prompt, {**self.ONE_TOKEN, "custom_params": {
+                        "uniprefill": False}})
+                    dense_times.append(round(seconds, 4))
+                    self.flush()
+            row = {"ttft_s": _median(times), "first_s": times[0], "all_s": times, **_meta(out)}
+            if dense_times:
+                row["dense_same_engine_s"] = _median(dense_times)
             if self.plugin and n == max(self.lengths):
-                row["top_p_1"] = self.top_p_1_against_dense(prompt)
+                row["top_p_1"] = self.top_p_1_against_dense(prompts[-1])
             self.result["single"][str(n)] = row
-            self.flush()
             self.save()
 
     def top_p_1_against_dense(self, prompt: list) -> dict:
@@ -179,9 +198,13 @@ class Workloads:
 
     def mid_batch(self, prompts: list) -> None:
         if "mid" in self.todo:
-            seconds, _ = _timed(self.engine, prompts, self.ONE_TOKEN)
-            self.result["mid_batch"] = {"seconds": round(seconds, 4)}
-            self.flush()
+            times = []
+            for _ in range(3):
+                seconds, _ = _timed(self.engine, prompts, self.ONE_TOKEN)
+                times.append(round(seconds, 4))
+                self.flush()
+            self.result["mid_batch"] = {"seconds": _median(times), "first_s": times[0],
+                                        "all_s": times}
             self.save()
 
     def follow_ups(self) -> None:
@@ -198,7 +221,7 @@ class Workloads:
                                **_meta(out)})
             self.result["follow_ups"][str(doc_len)] = {
                 "first_s": round(first, 4), "first": _meta(first_out), "follow": follow,
-                "median_s": statistics.median(f["seconds"] for f in follow)}
+                "median_s": _median([f["seconds"] for f in follow])}
             self.flush()
             self.save()
 
@@ -236,6 +259,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,32768,131000")
     ap.add_argument("--doc-tokens", default="32768,65536")
     ap.add_argument("--follow-ups", type=int, default=8, help="follow-up questions per document")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="fresh prompts per length up to 32K tokens (median reported)")
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
@@ -266,7 +291,8 @@ def main() -> None:
         mine = {**vars(args), **json.loads(args.per_config).get(name, {})}
         cmd = [sys.executable, os.path.abspath(__file__), "--model-path", args.model_path,
                "--lengths", mine["lengths"], "--doc-tokens", args.doc_tokens,
-               "--workloads", mine["workloads"],
+               "--workloads", mine["workloads"], "--follow-ups", str(args.follow_ups),
+               "--repeats", str(args.repeats),
                "--attention-backend", args.attention_backend, "--seed", str(args.seed),
                "--batch-sizes", args.batch_sizes, "--extra", args.extra, "--device", args.device,
                "--out", args.out, "--one-config", name, "--partial", partial]
