@@ -240,6 +240,9 @@ def main() -> None:
     ap.add_argument("--as-served", action="store_true",
                     help="the radix cache and SGLang's prefill CUDA graphs on in every phase, as "
                          "`--enable-uniprefill` alone serves (always so in the followup phase)")
+    ap.add_argument("--stock", action="store_true",
+                    help="SGLang without the plugin (SGLANG_PLUGINS=none), one mode: the "
+                         "reference the plugin's engine is compared with")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     args.tp_size, args.drop_layers = 1, None
@@ -248,6 +251,8 @@ def main() -> None:
 
         activate_cpu_engine_env()
     os.environ.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    if args.stock:
+        os.environ["SGLANG_PLUGINS"] = "none"
     import sglang
 
     out = Path(args.out_dir)
@@ -257,6 +262,8 @@ def main() -> None:
     if args.phase == "followup" or args.as_served:  # the radix cache and prefill graphs on
         kwargs.pop("cuda_graph_backend_prefill")
         kwargs["disable_radix_cache"] = False
+    if args.stock:
+        kwargs.pop("enable_uniprefill")
     engine = sglang.Engine(**kwargs)
     chunk = engine.get_server_info().get("chunked_prefill_size") or -1
     steps = args.profile_steps or (
@@ -264,7 +271,8 @@ def main() -> None:
         else max(1, -(-args.length // chunk) if chunk > 0 else 1))
     runner = Runner(engine, cfg["vocab_size"], kwargs["context_length"])
     uniprefill = {} if args.keep_ratio == "default" else {"uniprefill_keep_ratio": args.keep_ratio}
-    modes = {"dense": {"uniprefill": False}, "uniprefill": uniprefill}
+    modes = {"stock": {}} if args.stock else {"dense": {"uniprefill": False},
+                                                "uniprefill": uniprefill}
     result = {"header": result_header(model=args.model_path), "phase": args.phase,
               "length": args.length, "keep_ratio": args.keep_ratio,
               "chunked_prefill_size": chunk, "profile_steps": steps,
