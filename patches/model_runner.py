@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
+    from uniprefill_sglang.backends import prepare_views
     from uniprefill_sglang.drop import warm_up
     from uniprefill_sglang.kv_validity import LayerStages
     from uniprefill_sglang.request_plan import log_fallback_once
@@ -59,10 +60,11 @@ def _install_runtime(result, model_runner, *args, **kwargs):
         runtime.stages = LayerStages((), schedule.stages.num_layers)
     if runtime.slots.staged:
         _check_staged_layout(model_runner, runtime)
-    if runtime.has_schedule:  # compile the selection kernels now, not in the first request
+    if runtime.has_schedule:  # compile and allocate now, not in the first request
         warm_up(runtime, model_integration.drop_attention(model_runner.model,
                                                           runtime.stages.drop_layers[0]),
                 model_runner.dtype)
+        prepare_views(model_runner.attn_backend, runtime)
     if runtime.dense_reason == NO_DROP_LAYERS:
         log_fallback_once(f"architecture {architectures} without a drop schedule")
     logger.info("UniPrefill enabled: drop layers %s, %s", list(runtime.stages.drop_layers), config)

@@ -4,8 +4,10 @@
   ["uniprefill"]` reports the KV pool's accounting (free, evictable and protected slots, the
   request pool, and per stage pool its size, free slots and bytes per slot), so a test or an
   operator can check that dropping leaks no KV slot; when idle under the staged layout, also
-  the stage pools' invariant check (`kv_pool_problems`, empty when sound), and how often
-  admission was retried because drops gave stage memory back (`admission_retries`).
+  the stage pools' invariant check (`kv_pool_problems`, empty when sound), how often
+  admission was retried because drops gave stage memory back (`admission_retries`), and how
+  many attention-view buffers were made in a request's path after start-up made the others
+  (`views_allocated_late`: each is an allocation a request waited for).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 * `SchedulerBatchResultProcessor.process_batch_result_prefill` (BEFORE): a request UniPrefill
   could not recompute after a failure in its own code (patches/model_runner.py) finishes with
@@ -47,6 +49,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "kv_layout": "staged" if runtime.slots.staged else "shared",
         "kv_pools": runtime.kv_pool_report(scheduler.token_to_kv_pool_allocator),
         "admission_retries": admission_retries(scheduler),
+        "views_allocated_late": runtime.views_allocated_late,
     }
     if state["uniprefill"]["idle"] and runtime.slots.staged:
         state["uniprefill"]["kv_pool_problems"] = runtime.slots.pools.check(

@@ -82,6 +82,8 @@ class UniPrefillRuntime:
         # Observability: prefill forwards that carried decode rows; prompt tokens that reached
         # a drop with UniPrefill on, and how many were left after the last drop.
         self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
+        # Attention-view buffers an adapter made in a request's path after start-up made them.
+        self.views_allocated_late = 0
 
     @property
     def has_schedule(self) -> bool:

@@ -41,7 +41,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_harness import EngineResults, cuda_device_count, log_dir_or, run_engines  # noqa: E402
+from engine_harness import (  # noqa: E402
+    EngineResults,
+    cuda_device_count,
+    log_dir_or,
+    run_engines,
+    wait_idle_state,
+)
 
 VOCAB = 1024
 HIDDEN = 1024
@@ -267,6 +273,7 @@ def _run_scenarios(engine, res: dict) -> None:
     res["mixed_short"] = dict(_record(chunks[-1]), output_ids=short_ids)
     res["mixed_long"] = _record(long_out)
     _flush(engine)
+    res["state"] = wait_idle_state(engine)
 
 
 def run_engine(name: str, model_dir: str, out_path: str) -> None:
@@ -454,6 +461,14 @@ def test_decode_after_drop_and_radix_reuse(results, backend):
     assert _kept(second) == [len(QUESTIONS[1])]
     assert second["uniprefill"][0]["reason"] == "prompt under the minimum length"
     assert all(len(r["output_ids"]) == GREEDY["max_new_tokens"] for r in res["batch"])
+
+
+@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS if b.startswith("flashinfer")])
+def test_flashinfer_views_made_at_start_up(results, backend):
+    """Every FlashInfer wrapper the workload's views ran (extend views of each kind the
+    configuration uses, eager decode views) was made at start-up, none in a request's path:
+    each holds 8 MiB of device and 8 MiB of pinned host workspace to allocate."""
+    assert results[backend]["state"]["views_allocated_late"] == 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ def adapters() -> Tuple:
     return (flashinfer.ADAPTER, triton.ADAPTER, torch_native.ADAPTER, linear_attention.ADAPTER)
 
 
+def prepare_views(backend, runtime) -> None:
+    """At start-up: the adapter of `backend`'s class, if it serves this instance, allocates its
+    views' buffers (`StageViewAdapter.prepare`)."""
+    for adapter in adapters():
+        if adapter.class_name == type(backend).__name__ and adapter.supported(backend):
+            adapter.prepare(backend, runtime)
+
+
 def staged_layout_unsupported(backend) -> Optional[str]:
     """Why this attention backend cannot run on the staged KV layout (every layer after the
     first drop reads through an adapter's per-stage views), or None."""

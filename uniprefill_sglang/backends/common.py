@@ -88,6 +88,10 @@ class StageViewAdapter:
     def hooks(self) -> Sequence[Tuple[str, Callable, str]]:
         raise NotImplementedError
 
+    def prepare(self, backend, runtime) -> None:
+        """At start-up, allocate what this backend's views hold, so that the first request
+        that reads one does not (nothing, unless the adapter says otherwise)."""
+
 
 def stages_after_first(runtime) -> List[int]:
     return list(range(1, runtime.stages.num_drops + 1))
