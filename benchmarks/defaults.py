@@ -134,6 +134,14 @@ class Workloads:
     def ids(self, n: int) -> list:
         return _ids(self.rng, n, self.vocab)
 
+    def note_allocator(self, workload: str) -> None:
+        """The plugin's count of CUDA allocator retries in the scheduler after `workload` (a
+        retry releases torch's cached blocks and costs the step that met it milliseconds)."""
+        state = self.engine.get_server_info()["internal_states"][0].get("uniprefill") or {}
+        if "device_alloc_retries" in state:
+            self.result.setdefault("device_alloc_retries", {})[workload] = state[
+                "device_alloc_retries"]
+
     def save(self) -> None:
         with open(self.args.partial, "w") as f:
             json.dump(self.result, f, indent=1)
@@ -183,6 +191,7 @@ class Workloads:
             if self.plugin and n == max(self.lengths):
                 row["top_p_1"] = self.top_p_1_against_dense(prompts[-1])
             self.result["single"][str(n)] = row
+            self.note_allocator(f"single_{n}")
             self.save()
 
     def top_p_1_against_dense(self, prompt: list) -> dict:
@@ -205,6 +214,7 @@ class Workloads:
                 self.flush()
             self.result["mid_batch"] = {"seconds": _median(times), "first_s": times[0],
                                         "all_s": times}
+            self.note_allocator("mid_batch")
             self.save()
 
     def follow_ups(self) -> None:
@@ -223,6 +233,7 @@ class Workloads:
                 "first_s": round(first, 4), "first": _meta(first_out), "follow": follow,
                 "median_s": _median([f["seconds"] for f in follow])}
             self.flush()
+            self.note_allocator(f"follow_{doc_len}")
             self.save()
 
     def decode(self, prompt: list) -> None:

@@ -7,7 +7,8 @@
   the stage pools' invariant check (`kv_pool_problems`, empty when sound), how often
   admission was retried because drops gave stage memory back (`admission_retries`), and how
   many attention-view buffers were made in a request's path after start-up made the others
-  (`views_allocated_late`: each is an allocation a request waited for).
+  (`views_allocated_late`: each is an allocation a request waited for), and torch's CUDA
+  allocator retries (`device_alloc_retries`: a step that met one waited for its cache release).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 * `SchedulerBatchResultProcessor.process_batch_result_prefill` (BEFORE): a request UniPrefill
   could not recompute after a failure in its own code (patches/model_runner.py) finishes with
@@ -50,11 +51,22 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "kv_pools": runtime.kv_pool_report(scheduler.token_to_kv_pool_allocator),
         "admission_retries": admission_retries(scheduler),
         "views_allocated_late": runtime.views_allocated_late,
+        "device_alloc_retries": _device_alloc_retries(),
     }
     if state["uniprefill"]["idle"] and runtime.slots.staged:
         state["uniprefill"]["kv_pool_problems"] = runtime.slots.pools.check(
             _free_full_slots(scheduler.token_to_kv_pool_allocator))
     return result
+
+
+def _device_alloc_retries():
+    """How often torch's CUDA caching allocator found no free block, released its cache and
+    retried (each costs milliseconds in the step that met it); None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def _free_full_slots(allocator):
