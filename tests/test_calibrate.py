@@ -99,6 +99,23 @@ def test_needle_spans_cover_the_answer_in_the_context_only(smollm2_path):
                 assert enc["offset_mapping"][b - 1][1] <= question_at
 
 
+def test_a_leave_families_out_split_holds_out_families_and_haystacks(smollm2_path):
+    import datetime
+
+    argv = ["--model", smollm2_path, "--lengths", "600", "--tasks", "niah_number",
+            "--seeds", "0", "--heldout-seeds", "1", "--heldout-tasks", "niah_multikey,qa",
+            "--heldout-haystacks", "prose,essay"]
+    setup = cal.prepare_run(cal.parse_args(argv), argv, datetime.datetime.now())
+    assert {(c.task, c.haystack) for c in setup.calibration} == {("niah_number", "noise")}
+    # A task without a haystack takes the noise filler once, not once per haystack.
+    assert sorted((c.task, c.haystack) for c in setup.heldout) == [
+        ("niah_multikey", "essay"), ("niah_multikey", "prose"), ("qa", "noise")]
+    assert cal.unseen_families(setup.calibration, setup.heldout)
+    argv = argv[:argv.index("--heldout-tasks")]  # held out: other seeds of the same families
+    same = cal.prepare_run(cal.parse_args(argv), argv, datetime.datetime.now())
+    assert not cal.unseen_families(same.calibration, same.heldout)
+
+
 def test_flop_model():
     n = 8192
     assert cal.prefill_flops([n], (), SMOLLM2) == cal.prefill_flops([n, n, n], (4, 9), SMOLLM2)

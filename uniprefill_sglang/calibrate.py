@@ -20,7 +20,9 @@ Two steps, so that the search stays cheap:
    set and block size; top-p per request): the best ``--confirm`` candidates by FLOP saving among
    those whose estimated agreement meets the target, on the calibration cases dense answers
    right. The schedule with the largest FLOP saving whose confirmed agreement meets the target
-   wins, and is run again on held-out cases (other seeds and depths) that neither step saw.
+   wins, and is run again on held-out cases (other seeds and depths) that neither step saw;
+   with ``--heldout-tasks`` / ``--heldout-haystacks`` the held-out cases are also of task
+   families and haystacks the calibration never saw (a leave-families-out split).
    Agreements in the profile and the table are the confirmed ones. Calibration and held-out
    seeds both come from ``tasks.TUNING_SEEDS``; the ``REPORTING_SEEDS`` that reported figures
    use are refused.
@@ -627,6 +629,12 @@ def parse_args(argv=None):
                     help="calibration needle depths, cycled over the task x length grid")
     ap.add_argument("--seeds", default="0",
                     help="calibration seeds (from tasks.TUNING_SEEDS, 0-999)")
+    ap.add_argument("--haystacks", default="noise",
+                    help="calibration haystacks (tools/haystacks.py) of the needle tasks")
+    ap.add_argument("--heldout-tasks", default=None,
+                    help="held-out task families (default: --tasks)")
+    ap.add_argument("--heldout-haystacks", default=None,
+                    help="held-out haystacks (default: --haystacks)")
     ap.add_argument("--heldout-depths", default="0.1,0.4,0.7,0.9")
     ap.add_argument("--heldout-seeds", default="1",
                     help="held-out seeds (none of --seeds; also from tasks.TUNING_SEEDS: the "
@@ -679,6 +687,9 @@ class Setup:
     engine_kwargs: dict
     tasks: list[str]
     lengths: list[int]
+    haystacks: list[str] = dataclasses.field(default_factory=lambda: ["noise"])
+    heldout_tasks: list[str] = dataclasses.field(default_factory=list)
+    heldout_haystacks: list[str] = dataclasses.field(default_factory=list)
     calibration: list = dataclasses.field(default_factory=list)
     heldout: list = dataclasses.field(default_factory=list)
 
@@ -736,24 +747,48 @@ def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
                   started=started, model_path=model_path, shape=shape,
                   tokenizer=AutoTokenizer.from_pretrained(model_path),
                   engine_kwargs=json.loads(args.engine_kwargs),
-                  tasks=[t for t in args.tasks.split(",") if t],
-                  lengths=[min(L, budget) for L in _ints(args.lengths)])
-    setup.calibration = _cases(setup, _ints(args.seeds), _floats(args.depths))
-    setup.heldout = _cases(setup, _ints(args.heldout_seeds), _floats(args.heldout_depths))
+                  tasks=_names(args.tasks), lengths=[min(L, budget) for L in _ints(args.lengths)],
+                  haystacks=_names(args.haystacks))
+    setup.heldout_tasks = _names(args.heldout_tasks) if args.heldout_tasks else setup.tasks
+    setup.heldout_haystacks = (_names(args.heldout_haystacks) if args.heldout_haystacks
+                               else setup.haystacks)
+    setup.calibration = _cases(setup, _ints(args.seeds), _floats(args.depths), setup.tasks,
+                               setup.haystacks)
+    setup.heldout = _cases(setup, _ints(args.heldout_seeds), _floats(args.heldout_depths),
+                           setup.heldout_tasks, setup.heldout_haystacks)
     return setup
 
 
-def _cases(setup: Setup, seeds, depths) -> list:
-    """One case per cell of the seed x length x task grid, the depths cycling over the grid
-    (varied needle positions)."""
+def _names(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def case_grid(seeds, lengths, tasks, haystacks) -> list[tuple]:
+    """(seed, length, task, haystack) cells; a task without a haystack (tasks.HAYSTACK_TASKS
+    have one) takes the noise filler once instead of once per haystack."""
+    from uniprefill_sglang.tools.tasks import HAYSTACK_TASKS
+
+    return [(s, L, t, h) for s in seeds for L in lengths for t in tasks
+            for h in (haystacks if t in HAYSTACK_TASKS else ["noise"])]
+
+
+def unseen_families(calibration: Sequence, heldout: Sequence) -> bool:
+    """Whether no held-out case shares its (task, haystack) with a calibration case."""
+    seen = {(c.task, c.haystack) for c in calibration}
+    return not any((c.task, c.haystack) in seen for c in heldout)
+
+
+def _cases(setup: Setup, seeds, depths, tasks, haystacks) -> list:
+    """One case per cell of the seed x length x task x haystack grid, the depths cycling over
+    the grid (varied needle positions)."""
     from uniprefill_sglang.tools.tasks import TUNING_SEEDS, make_case
 
     if not set(seeds) <= set(TUNING_SEEDS):
         raise ValueError(f"calibration uses tuning seeds only; got {sorted(seeds)}")
-    grid = [(s, L, t) for s in seeds for L in setup.lengths for t in setup.tasks]
+    grid = case_grid(seeds, setup.lengths, tasks, haystacks)
     grid = grid[:setup.args.max_cases] if setup.args.max_cases else grid
-    return [make_case(setup.tokenizer, t, L, depths[i % len(depths)], s)
-            for i, (s, L, t) in enumerate(grid)]
+    return [make_case(setup.tokenizer, t, L, depths[i % len(depths)], s, haystack=h)
+            for i, (s, L, t, h) in enumerate(grid)]
 
 
 def search_space(args, shape: ModelShape) -> SearchSpace:
@@ -854,9 +889,14 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
                                  for r in conf.confirmed],
         "cases": {"tasks": setup.tasks, "lengths": setup.lengths,
                   "calibration": {"seeds": _ints(args.seeds), "depths": _floats(args.depths),
+                                  "tasks": setup.tasks, "haystacks": setup.haystacks,
                                   "names": [c.name for c in setup.calibration]},
                   "heldout": {"seeds": _ints(args.heldout_seeds),
                               "depths": _floats(args.heldout_depths),
+                              "tasks": setup.heldout_tasks,
+                              "haystacks": setup.heldout_haystacks,
+                              "families_unseen_in_calibration": unseen_families(
+                                  setup.calibration, setup.heldout),
                               "names": [c.name for c in setup.heldout]},
                   "dense_reference": {"calibration": "offline pass (transformers, float32)",
                                       "heldout": "the SGLang engine, UniPrefill off"}},
