@@ -13,7 +13,7 @@ chunked prefill, prefill CUDA graphs, radix cache on), over the same prompts:
 
 Workloads: 64 prompts of 200-1200 tokens in one call, first after start-up (first call, best
 and median of 3); one request at a time at each of ``--lengths`` (time to first token,
-``max_new_tokens=1``; the median of ``--repeats`` fresh prompts up to 32K tokens, and the first;
+``max_new_tokens=1``; the median of ``--repeats`` (5) fresh prompts up to 32K tokens, and the first;
 the plugin's rows time the same prompts dense in the same engine, and run the longest prompt at
 top-p 1.0 and dense per request and compare their 16 greedy tokens); 16 prompts of 2K-6K tokens
 in one call (median of 3); a cached document of ``--doc-tokens`` with ``--follow-ups``
@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,32768,131000")
     ap.add_argument("--doc-tokens", default="32768,65536")
     ap.add_argument("--follow-ups", type=int, default=8, help="follow-up questions per document")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=int, default=5,
                     help="fresh prompts per length up to 32K tokens (median reported)")
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--seed", type=int, default=0)
