@@ -26,7 +26,7 @@ token content, while under UniPrefill a slot's KV may exist in the early layers 
 """
 
 import torch
-from uniprefill_sglang.patches.hook_table import Hook
+from uniprefill_sglang.patches.hook_table import Hook, resolve_target
 
 _TARGET = "sglang.srt.mem_cache.radix_cache.RadixCache"
 
@@ -67,19 +67,20 @@ def _release_private_prefix(result, cache, req, *args, **kwargs):
 
 
 def _check_tree_cache(result, *args, **kwargs):
-    from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-
+    from uniprefill_sglang.patches import versions
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
     cache = getattr(result, "tree_cache", None)
-    if runtime is None or not runtime.has_schedule or cache is None or isinstance(
-            cache, (RadixCache, ChunkCache)):
+    if runtime is None or not runtime.has_schedule or cache is None or cache.disable:
+        return result  # no tree (SGLang 0.5.17's ChunkCache) or a disabled one: nothing shared
+    hooked = [h for h in HOOKS if h.target.startswith(f"{_TARGET}.") and h.applies()]
+    if hooked and isinstance(cache, resolve_target(_TARGET)):
         return result
+    where = "RadixCache (patches/radix_cache.py)" if hooked else "no prefix cache of this release"
     raise RuntimeError(
-        f"UniPrefill: SGLang built a {type(cache).__name__} prefix cache, while UniPrefill's "
-        "prefix-cache hooks are on RadixCache (patches/radix_cache.py): parked chunks and "
+        f"UniPrefill: SGLang {versions.installed()} built a {type(cache).__name__} prefix "
+        f"cache, while UniPrefill's prefix-cache hooks are on {where}: parked chunks and "
         "dropped KV would be shared unchecked. Start with --disable-radix-cache, or without "
         "SGLANG_ENABLE_UNIFIED_RADIX_TREE / SGLANG_EXPERIMENTAL_CPP_RADIX_TREE")
 
@@ -87,10 +88,14 @@ def _check_tree_cache(result, *args, **kwargs):
 HOOKS = (
     Hook("sglang.srt.mem_cache.kv_cache_builder.build_kv_cache", "after", _check_tree_cache,
          "the prefix cache built must be the one these hooks patch, else refuse to start"),
+    # SGLang 0.5.23 caches through `checkpoint` / `on_release` of a UnifiedRadixCache.
     Hook(f"{_TARGET}.insert", "after", _record_insert,
-         "how much of the key the tree already held (read by cache_unfinished_req)"),
+         "how much of the key the tree already held (read by cache_unfinished_req)",
+         sglang="<0.5.18"),
     Hook(f"{_TARGET}.cache_unfinished_req", "around", _cache_unfinished_req,
-         "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps"),
+         "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps",
+         sglang="<0.5.18"),
     Hook(f"{_TARGET}.cache_finished_req", "after", _release_private_prefix,
-         "free the private prefix slots of a request that re-selected over its prefix"),
+         "free the private prefix slots of a request that re-selected over its prefix",
+         sglang="<0.5.18"),
 )
