@@ -75,8 +75,10 @@ def resolved(server_args) -> Any:
 # ---- A scheduler request's KV bookkeeping.
 
 def req_kv(req) -> Any:
-    """What holds `req_pool_idx` and `cache_protected_len` (0.5.23: `req.kv`)."""
-    return getattr(req, "kv", req)
+    """What holds `req_pool_idx` and `cache_protected_len` (0.5.23: `req.kv`; 0.5.17's `req.kv`
+    holds other fields)."""
+    kv = getattr(req, "kv", None)
+    return kv if hasattr(kv, "req_pool_idx") else req
 
 
 def req_pool_idx(req) -> Optional[int]:
