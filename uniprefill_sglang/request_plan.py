@@ -175,10 +175,10 @@ def _max_new_tokens(req) -> Optional[int]:
 
 
 def _is_radix_tree(tree_cache) -> bool:
-    """Only SGLang's RadixCache (patches/radix_cache.py) holds prefixes UniPrefill re-selects."""
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+    """Only the tree patches/radix_cache.py hooks holds prefixes UniPrefill re-selects."""
+    from uniprefill_sglang.patches.radix_cache import hooked_tree_class
 
-    return type(tree_cache) is RadixCache and not tree_cache.disable
+    return type(tree_cache) is hooked_tree_class() and not tree_cache.disable
 
 
 def _cached_len(req, radix: bool) -> int:
