@@ -15,8 +15,8 @@ import logging
 from typing import List, Optional
 
 from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig
-from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 from uniprefill_sglang.patches import versions
+from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 
 logger = logging.getLogger(__name__)
 
