@@ -23,6 +23,7 @@ from uniprefill_sglang.patches import (
     logits,
     metrics,
     model_runner,
+    radix_attention,
     radix_cache,
     sampling_params,
     scheduler,
@@ -31,7 +32,7 @@ from uniprefill_sglang.patches import (
 from uniprefill_sglang.patches.hook_table import Hook
 
 _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, scheduler,
-            radix_cache, cuda_graphs, metrics, kv_pool, kv_allocator)
+            radix_cache, radix_attention, cuda_graphs, metrics, kv_pool, kv_allocator)
 
 
 # Test only (UNIPREFILL_TEST_FAULT=hook): a target no SGLang has, to check the start-up refusal.

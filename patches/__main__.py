@@ -3,7 +3,8 @@
 `--check`: exit 1, naming them, when hooked functions of the installed SGLang have other
 parameters than the plugin was written for (none of those recorded for any version), or when
 the installed SGLang is not a supported release (patches/versions.py);
-`--record`: record the installed SGLang's under its version, keeping the other versions'.
+`--record`: record the installed SGLang's under its version, keeping the other versions' (and
+the targets of rows for other releases).
 """
 
 import argparse
@@ -25,9 +26,13 @@ def main(argv=None) -> int:
     rows = all_hooks()
     if args.record:
         recorded = recorded_signatures()
+        installed = signed(rows)
         targets = []
-        for target in signed(rows):
-            by_version = {**recorded.get(target, {}), sglang.__version__: parameters(target)}
+        # Targets of rows for other releases only keep what those releases recorded.
+        for target in sorted(set(installed) | set(recorded)):
+            by_version = dict(recorded.get(target, {}))
+            if target in installed:
+                by_version[sglang.__version__] = parameters(target)
             lines = ",\n".join(f"  {json.dumps(v)}: {json.dumps(p)}"
                                 for v, p in sorted(by_version.items(),
                                                    key=lambda item: Version(item[0])))

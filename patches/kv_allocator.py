@@ -64,8 +64,10 @@ def _clear(result, allocator, *args, **kwargs):
 
 
 def _evict_for_stages(original, tree_cache, num_tokens, *args, **kwargs):
+    from uniprefill_sglang.patches.versions import holds_no_prefixes
+
     result = original(tree_cache, num_tokens, *args, **kwargs)
-    if tree_cache is None or tree_cache.is_chunk_cache():
+    if tree_cache is None or holds_no_prefixes(tree_cache):
         return result
     pools = _pools(tree_cache.token_to_kv_pool_allocator)
     if pools is None:
@@ -91,6 +93,8 @@ def _check_decode_mem(original, batch, selected_indices=None, *args, **kwargs):
 
 
 def _budget_for_stages(result, adder, *args, **kwargs):
+    from uniprefill_sglang.patches.versions import charge_prefill_budget
+
     allocator = adder.token_to_kv_pool_allocator
     pools = _pools(allocator)
     if pools is None or adder.tree_cache is None:
@@ -98,18 +102,19 @@ def _budget_for_stages(result, adder, *args, **kwargs):
     available = allocator.available_size()
     shortfall = pools.shortfall(available, allocator.size - available,
                                 adder.tree_cache.evictable_size())
-    adder.rem_total_token_offset += shortfall
-    adder.cur_rem_token_offset += shortfall
+    charge_prefill_budget(adder, shortfall)
     return result
 
 
 def _before_admission(scheduler, running_batch=None, *args, **kwargs):
+    from uniprefill_sglang.patches.versions import holds_no_prefixes
+
     pools = _pools(scheduler.token_to_kv_pool_allocator)
     if pools is None:
         return
     if running_batch is not None:
         _retry_after_drops(scheduler, running_batch, pools.available())
-    if not scheduler.waiting_queue or scheduler.tree_cache.is_chunk_cache():
+    if not scheduler.waiting_queue or holds_no_prefixes(scheduler.tree_cache):
         return
     need = min(max(_new_tokens(req) for req in scheduler.waiting_queue[:8]), min(pools.sizes))
     if pools.available() < need:
@@ -128,8 +133,9 @@ def _after_admission(result, scheduler, *args, **kwargs):
 def _new_tokens(req) -> int:
     """Tokens a waiting request still has to prefill: its prompt less the cached prefix it
     matched when last scheduled (evicting that prefix to make room would defeat the cache)."""
-    cached = req.prefix_indices
-    return max(1, len(req.origin_input_ids) - (len(cached) if cached is not None else 0))
+    from uniprefill_sglang.patches.versions import prefix_len
+
+    return max(1, len(req.origin_input_ids) - prefix_len(req))
 
 
 def _retry_after_drops(scheduler, running_batch, available: int) -> None:

@@ -1,5 +1,8 @@
-"""Hooks on `sglang.srt.mem_cache.radix_cache.RadixCache`: the radix tree shares KV slots by
-token content, while under UniPrefill a slot's KV may exist in the early layers only.
+"""Hooks on the prefix cache the scheduler builds: SGLang 0.5.17's `RadixCache`, 0.5.23's
+`UnifiedRadixCache` (built for every model there, also when the cache is disabled), whose
+`checkpoint` and `on_release` take the place of `cache_unfinished_req` and `cache_finished_req`
+below, with the same rules. The radix tree shares KV slots by token content, while under
+UniPrefill a slot's KV may exist in the early layers only.
 
 * `cache_unfinished_req` (AROUND). SGLang inserts a request's tokens into the tree after every
   prefill step (and after each chunk of a chunked prefill). Two consequences need care:
@@ -14,10 +17,10 @@ token content, while under UniPrefill a slot's KV may exist in the early layers 
     from the device before the request's next decode (one sync, only when slots were swapped).
 * `insert` (AFTER): records how much of the key the tree already held, for the hook above.
 * `kv_cache_builder.build_kv_cache` (AFTER): these hooks only hold where the scheduler's prefix
-  cache is a `RadixCache` (or no tree at all, `ChunkCache`). SGLang 0.5.17 builds another tree
-  under `SGLANG_ENABLE_UNIFIED_RADIX_TREE` or `SGLANG_EXPERIMENTAL_CPP_RADIX_TREE` (and 0.5.23
-  for every model): there parked chunks and dropped KV would be shared unchecked, so a server
-  that drops refuses to start, naming the cache it got.
+  cache is the class they patch (`hooked_tree_class`), or shares nothing (disabled). SGLang
+  0.5.17 builds another tree under `SGLANG_ENABLE_UNIFIED_RADIX_TREE` or
+  `SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`: there parked chunks and dropped KV would be shared
+  unchecked, so a server that drops refuses to start, naming the cache it got.
 * `cache_finished_req` (AFTER): a request that re-selected over its cached prefix held private
   KV slots for the prefix's positions (uniprefill_sglang/prefix_reuse.py). SGLang inserts the
   request's slots into the tree, where the prefix's positions are already held (the tree keeps
@@ -26,14 +29,23 @@ token content, while under UniPrefill a slot's KV may exist in the early layers 
 """
 
 import torch
-from uniprefill_sglang.patches.hook_table import Hook
+from uniprefill_sglang.patches.hook_table import Hook, resolve_target
 
 _TARGET = "sglang.srt.mem_cache.radix_cache.RadixCache"
+_UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
 def _record_insert(result, cache, *args, **kwargs):
     # The cache's `uniprefill` attribute: how much of the last inserted key it already held.
     cache.uniprefill = getattr(result, "prefix_len", None)
+    return result
+
+
+def _record_first_insert(result, cache, *args, **kwargs):
+    # A 0.5.23 checkpoint may insert twice (the whole key, then the prompt's own leaf): the
+    # first says how much of the key the tree held.
+    if getattr(cache, "uniprefill", None) is None:
+        cache.uniprefill = getattr(result, "prefix_len", None)
     return result
 
 
@@ -48,12 +60,33 @@ def _cache_unfinished_req(original, cache, req, chunked=False, **kwargs):
             req.req_pool_idx, : req.extend_range.end
         ].to(dtype=torch.int64, copy=True)
         return None
-    protected = req.cache_protected_len
+    return _insert_marking_shared(runtime, original, cache, req, chunked=chunked, **kwargs)
+
+
+def _checkpoint(original, cache, req, *args, **kwargs):
+    """SGLang 0.5.23's `cache_unfinished_req`: a parked chunk stays out of the tree (SGLang
+    moves the request's prefix on past it, on the request's own slots)."""
+    from uniprefill_sglang.runtime import get_runtime
+
+    runtime = get_runtime()
+    if runtime is None or not runtime.has_schedule or cache.disable:
+        return original(cache, req, *args, **kwargs)
+    if runtime.parking.is_parked(req.rid) and not req.finished():
+        return None
+    return _insert_marking_shared(runtime, original, cache, req, *args, **kwargs)
+
+
+def _insert_marking_shared(runtime, insert, cache, req, *args, **kwargs):
+    """Insert the request's tokens; where the tree already held more than the request's
+    protected prefix, the request now reads other requests' slots: its KV gaps are stale."""
+    from uniprefill_sglang.patches.versions import cache_protected_len, req_pool_idx
+
+    protected = cache_protected_len(req)
     cache.uniprefill = None
-    result = original(cache, req, chunked=chunked, **kwargs)
+    result = insert(cache, req, *args, **kwargs)
     shared = cache.uniprefill
-    if shared is None or shared > protected:  # this request now reads other requests' slots
-        runtime.kv_gaps.invalidate(req.req_pool_idx)
+    if shared is None or shared > protected:
+        runtime.kv_gaps.invalidate(req_pool_idx(req))
     return result
 
 
@@ -67,30 +100,50 @@ def _release_private_prefix(result, cache, req, *args, **kwargs):
 
 
 def _check_tree_cache(result, *args, **kwargs):
-    from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.radix_cache import RadixCache
-
+    from uniprefill_sglang.patches import versions
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
     cache = getattr(result, "tree_cache", None)
-    if runtime is None or not runtime.has_schedule or cache is None or isinstance(
-            cache, (RadixCache, ChunkCache)):
+    if runtime is None or not runtime.has_schedule or cache is None or cache.disable:
+        return result  # no tree (SGLang 0.5.17's ChunkCache) or a disabled one: nothing shared
+    hooked = hooked_tree_class()
+    if isinstance(cache, hooked):
         return result
     raise RuntimeError(
-        f"UniPrefill: SGLang built a {type(cache).__name__} prefix cache, while UniPrefill's "
-        "prefix-cache hooks are on RadixCache (patches/radix_cache.py): parked chunks and "
+        f"UniPrefill: SGLang {versions.installed()} built a {type(cache).__name__} prefix "
+        f"cache, while UniPrefill's prefix-cache hooks are on {hooked.__name__} "
+        "(patches/radix_cache.py): parked chunks and "
         "dropped KV would be shared unchecked. Start with --disable-radix-cache, or without "
         "SGLANG_ENABLE_UNIFIED_RADIX_TREE / SGLANG_EXPERIMENTAL_CPP_RADIX_TREE")
 
 
+def hooked_tree_class() -> type:
+    """The prefix cache class these hooks patch on the installed SGLang."""
+    (tree,) = {h.target.rsplit(".", 1)[0] for h in HOOKS if h.target != _BUILD and h.applies()}
+    return resolve_target(tree)
+
+
+_BUILD = "sglang.srt.mem_cache.kv_cache_builder.build_kv_cache"
 HOOKS = (
-    Hook("sglang.srt.mem_cache.kv_cache_builder.build_kv_cache", "after", _check_tree_cache,
+    Hook(_BUILD, "after", _check_tree_cache,
          "the prefix cache built must be the one these hooks patch, else refuse to start"),
     Hook(f"{_TARGET}.insert", "after", _record_insert,
-         "how much of the key the tree already held (read by cache_unfinished_req)"),
+         "how much of the key the tree already held (read by cache_unfinished_req)",
+         sglang="<0.5.18"),
     Hook(f"{_TARGET}.cache_unfinished_req", "around", _cache_unfinished_req,
-         "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps"),
+         "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps",
+         sglang="<0.5.18"),
     Hook(f"{_TARGET}.cache_finished_req", "after", _release_private_prefix,
-         "free the private prefix slots of a request that re-selected over its prefix"),
+         "free the private prefix slots of a request that re-selected over its prefix",
+         sglang="<0.5.18"),
+    # SGLang 0.5.23 builds a UnifiedRadixCache for every model; the same rules on its API.
+    Hook(f"{_UNIFIED}.insert", "after", _record_first_insert,
+         "how much of the key the tree already held (read by checkpoint)", sglang=">=0.5.23"),
+    Hook(f"{_UNIFIED}.checkpoint", "around", _checkpoint,
+         "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps",
+         sglang=">=0.5.23"),
+    Hook(f"{_UNIFIED}.on_release", "after", _release_private_prefix,
+         "free the private prefix slots of a request that re-selected over its prefix",
+         sglang=">=0.5.23"),
 )

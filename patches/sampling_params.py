@@ -18,10 +18,10 @@ from uniprefill_sglang.patches.hook_table import Hook
 
 def _server_config():
     """The UniPrefill config of this process's server, or None when UniPrefill is off."""
-    from sglang.srt.server_args import get_global_server_args
+    from sglang.srt.runtime_context import get_server_args
 
     try:
-        server_args = get_global_server_args()
+        server_args = get_server_args()
     except ValueError:  # not published: no tokenizer manager in this process
         return None
     if not getattr(server_args, "enable_uniprefill", False):

@@ -82,8 +82,9 @@ def test_record_writes_the_installed_version_and_keeps_the_others(tmp_path, monk
     assert recorded[target] == {sglang.__version__: table_module.parameters(target),
                                 "99.0.0": ["self", "budget"]}
     assert list(recorded[target]) == sorted(recorded[target], key=table_module.Version)
-    assert set(recorded) == set(table_module.signed(all_hooks()))
-    assert all(sglang.__version__ in by_version for by_version in recorded.values())
+    # Every target keeps its record, also those of rows for other releases only.
+    assert set(recorded) == set(json.loads(RECORD.read_text()))
+    assert all(sglang.__version__ in recorded[t] for t in table_module.signed(all_hooks()))
 
 
 def test_start_up_refuses_a_hooked_function_whose_parameters_changed(tmp_path, monkeypatch):
@@ -99,14 +100,14 @@ def test_start_up_refuses_a_hooked_function_whose_parameters_changed(tmp_path, m
         raise AssertionError("hooks were applied before the signature check")
 
     monkeypatch.setattr(HookRegistry, "apply_hooks", no_patching)
-    target = "sglang.srt.mem_cache.radix_cache.RadixCache.insert"
-    _record_with(tmp_path, monkeypatch, target, {"0.5.17": ["self", "key", "value"]})
+    target = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+    now = table_module.parameters(target)
+    _record_with(tmp_path, monkeypatch, target, {"0.5.17": now + ["budget"]})
     with pytest.raises(RuntimeError) as refused:
         _check_hooks(SimpleNamespace(attn_backend=None))
     message = str(refused.value)
-    assert table_module.parameters(target) == ["self", "params"]
-    assert (f"changed on SGLang {sglang.__version__}: {target}: adds ['params'], drops "
-            "['key', 'value'] against its parameters on SGLang 0.5.17.") in message, message
+    assert (f"changed on SGLang {sglang.__version__}: {target}: drops ['budget'] against its "
+            "parameters on SGLang 0.5.17.") in message, message
     assert "Start without --enable-uniprefill" in message
     # An attention adapter's hook is checked only where its backend serves.
     target = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend"
@@ -141,13 +142,14 @@ def test_start_up_refuses_a_release_outside_the_supported_ones(monkeypatch, caps
     from uniprefill_sglang.patches.__main__ import main
 
     assert main(["--check"]) == 0
-    monkeypatch.setattr(versions, "installed", lambda: Version("0.5.23"))
+    # A release between the checked ones, never installed.
+    monkeypatch.setattr(versions, "installed", lambda: Version("0.5.20"))
     assert main(["--check"]) == 1
     assert f"not a supported release ({versions.SUPPORTED})" in capsys.readouterr().out
     with pytest.raises(RuntimeError) as refused:
         check_sglang(set())
     assert str(refused.value).startswith(
-        f"UniPrefill: SGLang 0.5.23 is not a supported release. This plugin supports SGLang "
+        f"UniPrefill: SGLang 0.5.20 is not a supported release. This plugin supports SGLang "
         f"{versions.SUPPORTED}. Start without --enable-uniprefill"), refused.value
 
 

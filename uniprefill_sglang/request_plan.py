@@ -15,6 +15,7 @@ import logging
 from typing import List, Optional
 
 from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig
+from uniprefill_sglang.patches import versions
 from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,9 @@ def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional
         # SGLang's frontend caches a fork's shared prefix so; the requests after it ask.
         return dense("generates nothing: a prefix being cached runs dense")
     fill = getattr(req, "full_untruncated_fill_ids", None)
-    rng = getattr(req, "extend_range", None)
+    rng = versions.extend_range(req)
     prompt_len = len(fill) if fill is not None else extend_len
-    if fill is not None and rng is not None and rng.end < len(fill):
+    if fill is not None and rng is not None and rng[1] < len(fill):
         # Earlier chunks cannot see the prompt's last queries: they stop at the first drop
         # layer and the final chunk scores their tokens together with its own.
         if prompt_len - cached_len < config.min_tokens_to_drop:
@@ -158,7 +159,7 @@ def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional
     # The cost rule counts what the step computes: its new tokens and the rows its earlier
     # chunks parked, which rejoin here; a cached prefix only where it may rejoin (re-selection).
     may_reselect = cached_len > 0 and policy in RESTORES_DENSE and config.prefix_checkpoint
-    start = rng.start if rng is not None else 0
+    start = rng[0] if rng is not None else 0
     tokens = extend_len + max(0, start - (0 if may_reselect else cached_len))
     if tokens < config.min_tokens_to_drop:
         return dense("prompt under the minimum length")
@@ -174,15 +175,15 @@ def _max_new_tokens(req) -> Optional[int]:
 
 
 def _is_radix_tree(tree_cache) -> bool:
-    """Only SGLang's RadixCache (patches/radix_cache.py) holds prefixes UniPrefill re-selects."""
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+    """Only the tree patches/radix_cache.py hooks holds prefixes UniPrefill re-selects."""
+    from uniprefill_sglang.patches.radix_cache import hooked_tree_class
 
-    return type(tree_cache) is RadixCache and not tree_cache.disable
+    return type(tree_cache) is hooked_tree_class() and not tree_cache.disable
 
 
 def _cached_len(req, radix: bool) -> int:
     """Leading tokens the radix tree holds (and locks) for this request."""
-    return int(getattr(req, "cache_protected_len", 0) or 0) if radix else 0
+    return versions.cache_protected_len(req) if radix else 0
 
 
 def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str]) -> BatchPlan:

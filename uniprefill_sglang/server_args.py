@@ -1,9 +1,11 @@
 """`ServerArgs` with the UniPrefill flags.
 
 SGLang derives its CLI (`python -m sglang.launch_server --help`) and `sglang.Engine(**kwargs)`
-from the dataclass fields of `ServerArgs`, so adding annotated fields in a subclass, and putting
-the subclass in place of `sglang.srt.server_args.ServerArgs` (patches/server_args.py), is all it
-takes for both entry points to accept them.
+from the fields of `ServerArgs` (a dataclass on SGLang 0.5.17, a msgspec Struct on 0.5.23), so
+adding annotated fields in a subclass, and putting the subclass in place of
+`sglang.srt.server_args.ServerArgs` (patches/server_args.py), is all it takes for both entry
+points to accept them. The flags are checked around SGLang's resolution of the args, wherever
+the release runs it (`versions.resolves_when_built`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from uniprefill_sglang.config import (
     find_shipped_profile,
     load_profile,
 )
+from uniprefill_sglang.patches import versions
 from uniprefill_sglang.schedule import ModelFacts, resolve
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ def _on_cuda(device) -> bool:
     return torch.cuda.is_available()
 
 
-@dataclasses.dataclass
+@versions.seal_server_args
 class UniPrefillServerArgs(ServerArgs):
     enable_uniprefill: A[
         bool,
@@ -157,29 +160,43 @@ class UniPrefillServerArgs(ServerArgs):
     ] = None
 
     def __post_init__(self):
-        if self.enable_uniprefill:
-            if self.uniprefill_min_prompt_tokens is None:
-                self.uniprefill_min_prompt_tokens = (
-                    GPU_MIN_STEP_TOKENS if self.device != "cpu" and _on_cuda(self.device) else 0)
-            # Fail before SGLang's (long) resolution pass.
-            self.uniprefill_config()
-            if self.device == "cpu" and self.attention_backend is None:
-                # SGLang picks intel_amx on x86 CPUs; the CPU path of UniPrefill is torch_native.
-                self.attention_backend = "torch_native"
-            elif self.attention_backend is None and _on_cuda(self.device):
-                # SGLang would pick fa3 on Hopper; UniPrefill's GPU default is FlashInfer.
-                self.attention_backend = "flashinfer"
-            # Refuse unservable modes given on the command line before SGLang resolves them ...
-            self._check_uniprefill_modes()
-            # (SGLang's resolution makes the args read-only.)
-            facts = ModelFacts.read(self)
-            self._resolve_uniprefill_profile(facts)
-        super().__post_init__()
-        if self.enable_uniprefill:
-            # ... and again for what SGLang's resolution chose (a page size, a backend).
-            self._check_uniprefill_modes()
-            self._check_uniprefill_backend()
-            self._check_uniprefill_model(facts)
+        if versions.resolves_when_built(ServerArgs):
+            self._resolve_with_uniprefill(super().__post_init__)
+        else:
+            super().__post_init__()
+
+    def resolve_once(self):
+        """SGLang 0.5.23: the launchers resolve the args here, once (a repeat returns)."""
+        if getattr(self, "_resolution_finished", False):
+            return super().resolve_once()
+        self._resolve_with_uniprefill(super().resolve_once)
+
+    def _resolve_with_uniprefill(self, resolve):
+        """Check the flags and fill in UniPrefill's defaults, then let SGLang `resolve`."""
+        if not self.enable_uniprefill:
+            return resolve()
+        if self.uniprefill_min_prompt_tokens is None:
+            self.uniprefill_min_prompt_tokens = (
+                GPU_MIN_STEP_TOKENS if self.device != "cpu" and _on_cuda(self.device) else 0)
+        # Fail before SGLang's (long) resolution pass.
+        self.uniprefill_config()
+        if self.device == "cpu" and self.attention_backend is None:
+            # SGLang picks intel_amx on x86 CPUs; the CPU path of UniPrefill is torch_native.
+            self.attention_backend = "torch_native"
+        elif self.attention_backend is None and _on_cuda(self.device):
+            # SGLang would pick fa3 on Hopper; UniPrefill's GPU default is FlashInfer.
+            self.attention_backend = "flashinfer"
+        # Refuse unservable modes given on the command line before SGLang resolves them ...
+        self._check_uniprefill_modes(self)
+        # (SGLang's resolution makes the args read-only.)
+        facts = ModelFacts.read(self)
+        self._resolve_uniprefill_profile(facts)
+        resolve()
+        # ... and again for what SGLang's resolution chose (a page size, a backend).
+        resolved = versions.resolved(self)
+        self._check_uniprefill_modes(resolved)
+        self._check_uniprefill_backend(resolved)
+        self._check_uniprefill_model(facts, resolved)
 
     def uniprefill_config(self) -> UniPrefillConfig:
         profile = None
@@ -202,59 +219,62 @@ class UniPrefillServerArgs(ServerArgs):
             max_dropped_mass=self.uniprefill_max_dropped_mass,
         )
 
-    def _check_uniprefill_modes(self):
-        """Serving modes the plugin cannot serve correctly: refused, never served wrong."""
-        if self.speculative_algorithm is not None:
+    @staticmethod
+    def _check_uniprefill_modes(args):
+        """Serving modes the plugin cannot serve correctly: refused, never served wrong (read
+        from the args as given, then as resolved)."""
+        if args.speculative_algorithm is not None:
             raise UniPrefillConfigError(
                 "--enable-uniprefill cannot be combined with --speculative-algorithm "
-                f"{self.speculative_algorithm}: draft verification does not read per-stage KV"
+                f"{args.speculative_algorithm}: draft verification does not read per-stage KV"
             )
-        if self.enable_dp_attention:
+        if args.enable_dp_attention or getattr(args, "attn_dp_size", 1) > 1:
             raise UniPrefillConfigError(
                 "--enable-uniprefill cannot be combined with --enable-dp-attention: data-parallel "
                 "attention gathers token counts fixed before the forward, and a drop changes them"
             )
-        if self.pp_size > 1:
+        if args.pp_size > 1:
             raise UniPrefillConfigError(
                 "--enable-uniprefill does not support --pp-size > 1: the survivors of a drop "
                 "would have to travel between pipeline stages (use --tp-size)"
             )
-        for flag, size in (("--attn-cp-size", self.attn_cp_size), ("--dcp-size", self.dcp_size)):
+        for flag, size in (("--attn-cp-size", args.attn_cp_size), ("--dcp-size", args.dcp_size)):
             if size > 1:
                 raise UniPrefillConfigError(
                     f"--enable-uniprefill does not support {flag} > 1: a rank holding part of a "
                     "prompt cannot score it with the prompt's last queries"
                 )
-        if self.disaggregation_mode not in (None, "null"):
+        if args.disaggregation_mode not in (None, "null"):
             raise UniPrefillConfigError(
                 "--enable-uniprefill cannot be combined with --disaggregation-mode "
-                f"{self.disaggregation_mode}: after a drop the later layers hold KV for the "
+                f"{args.disaggregation_mode}: after a drop the later layers hold KV for the "
                 "survivors only, and which slots are valid per layer is known to the prefill "
                 "server alone; the KV transfer to a decode server assumes every layer complete"
             )
-        if self.page_size not in (None, 1):
+        if args.page_size not in (None, 1):
             raise UniPrefillConfigError(
-                f"--enable-uniprefill needs --page-size 1, got {self.page_size}: a drop frees and "
+                f"--enable-uniprefill needs --page-size 1, got {args.page_size}: a drop frees and "
                 "re-points single KV slots, and the attention adapters address single slots"
             )
-        if self.enable_hierarchical_cache:
+        if args.enable_hierarchical_cache:
             raise UniPrefillConfigError(
                 "--enable-uniprefill cannot be combined with --enable-hierarchical-cache: the "
                 "host copy of a cached prefix does not carry which of its slots hold KV at each "
                 "layer after a drop, so a prefix loaded back would be read as complete"
             )
-        if self.kv_cache_dtype in _UNSUPPORTED_KV_CACHE_DTYPES:
+        if args.kv_cache_dtype in _UNSUPPORTED_KV_CACHE_DTYPES:
             raise UniPrefillConfigError(
-                f"--enable-uniprefill does not support --kv-cache-dtype {self.kv_cache_dtype}: "
+                f"--enable-uniprefill does not support --kv-cache-dtype {args.kv_cache_dtype}: "
                 "block-scaled KV caches store packed values and scales that the drop's scoring "
                 "cannot read as keys (supported: auto, bf16/bfloat16, fp8_e4m3, fp8_e5m2)"
             )
 
-    def _check_uniprefill_backend(self):
+    @staticmethod
+    def _check_uniprefill_backend(args):
         for flag, value in (
-            ("--attention-backend", self.attention_backend),
-            ("--prefill-attention-backend", self.prefill_attention_backend),
-            ("--decode-attention-backend", self.decode_attention_backend),
+            ("--attention-backend", args.attention_backend),
+            ("--prefill-attention-backend", args.prefill_attention_backend),
+            ("--decode-attention-backend", args.decode_attention_backend),
         ):
             if value is not None and value not in SUPPORTED_ATTENTION_BACKENDS:
                 raise UniPrefillConfigError(
@@ -262,13 +282,13 @@ class UniPrefillServerArgs(ServerArgs):
                     f"supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)}"
                 )
 
-    def _check_uniprefill_model(self, facts: Optional[ModelFacts]):
+    def _check_uniprefill_model(self, facts: Optional[ModelFacts], resolved):
         """Check the drop layers against the model, when its config could be read (the model
         runner resolves the schedule again once the model is built)."""
         if facts is not None:
             resolve(self.uniprefill_config(),
                     dataclasses.replace(facts, attention_backends=frozenset(
-                        attention_backend_names(self))), self)
+                        attention_backend_names(resolved))), resolved)
 
     def _resolve_uniprefill_profile(self, facts: Optional[ModelFacts]):
         """Pick the shipped profile for this model when none was given (the scheduler processes
