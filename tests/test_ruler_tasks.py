@@ -99,7 +99,7 @@ def test_calibration_refuses_reporting_seeds():
         with pytest.raises(SystemExit):
             cal.parse_args(base + [flag, str(SEED)])
     with pytest.raises(ValueError, match="tuning seeds only"):
-        cal._cases(None, [SEED], [0.5])
+        cal._cases(None, [SEED], [0.5], ["niah_number"], ["noise"])
 
 
 # ---- single cases ---------------------------------------------------------------------------
