@@ -28,6 +28,8 @@ UniPrefill a slot's KV may exist in the early layers only.
   once the request leaves (finished, aborted or retracted).
 """
 
+import functools
+
 import torch
 from uniprefill_sglang.patches.hook_table import Hook, resolve_target
 
@@ -118,8 +120,10 @@ def _check_tree_cache(result, *args, **kwargs):
         "SGLANG_ENABLE_UNIFIED_RADIX_TREE / SGLANG_EXPERIMENTAL_CPP_RADIX_TREE")
 
 
+@functools.lru_cache(maxsize=None)
 def hooked_tree_class() -> type:
-    """The prefix cache class these hooks patch on the installed SGLang."""
+    """The prefix cache class these hooks patch on the installed SGLang (resolved once: every
+    prefill batch's plan asks, request_plan.py)."""
     (tree,) = {h.target.rsplit(".", 1)[0] for h in HOOKS if h.target != _BUILD and h.applies()}
     return resolve_target(tree)
 
