@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -64,11 +65,11 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def _profile_req(out_dir: Path, steps: int, gpu: bool = True):
+def _profile_req(out_dir: Path, steps: int, gpu: bool = True, stacks: bool = True):
     from sglang.srt.managers.io_struct import ProfileReq
 
     return ProfileReq(output_dir=str(out_dir), activities=["CPU", "GPU"] if gpu else ["CPU"],
-                      with_stack=True, record_shapes=False, num_steps=steps)
+                      with_stack=stacks, record_shapes=False, num_steps=steps)
 
 
 async def _profiled_decode(engine, runner, length, custom, steps, out_dir, gpu,
@@ -95,11 +96,12 @@ async def _profiled_prefill(engine, runner, length, custom, steps, out_dir, gpu)
 FOLLOW_UP_TOKENS = 100
 
 
-async def _profiled_followup(engine, runner, length, custom, steps, out_dir, gpu):
+async def _profiled_followup(engine, runner, length, custom, steps, out_dir, gpu, stacks=True):
     """Profile one follow-up step over the document `runner.doc` cached for these knobs."""
-    await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps, gpu))
+    await engine.tokenizer_manager.start_profile(_profile_req(out_dir, steps, gpu, stacks))
+    # One token more than the profiled steps: the step after the last one stops the profiler.
     await engine.async_generate(input_ids=runner.doc[custom_key(custom)] + runner.ids(
-        FOLLOW_UP_TOKENS), sampling_params={"max_new_tokens": 1, "temperature": 0.0,
+        FOLLOW_UP_TOKENS), sampling_params={"max_new_tokens": steps + 1, "temperature": 0.0,
                                             "custom_params": custom})
 
 
@@ -114,17 +116,33 @@ def _measure_followups(runner, args, modes, result) -> None:
         doc = runner.doc[custom_key(custom)] = runner.ids(args.length)
         params = {"max_new_tokens": 1, "temperature": 0.0, "custom_params": custom}
         runner.engine.generate(input_ids=doc, sampling_params=params)
-        times, metas = [], []
+        times, metas, stages = [], [], []
         for _ in range(4):  # the first one warms this mode's path
             start = time.perf_counter()
             out = runner.engine.generate(input_ids=doc + runner.ids(FOLLOW_UP_TOKENS),
                                          sampling_params=params)
             times.append(time.perf_counter() - start)
             metas.append((out["meta_info"].get("uniprefill") or [{}])[-1])
+            stages.append(_request_stages(out["meta_info"]))
         result["ttft_s"][name] = times
         result["kept"][name] = metas[-1]
+        if any(stages):
+            result.setdefault("request_stages_ms", {})[name] = stages
+            print(f"{name}: request stages (ms) {stages[1:]}", flush=True)
         print(f"{name}: follow-ups {[round(t * 1e3, 1) for t in times]} ms, {metas[-1]}",
               flush=True)
+
+
+def _request_stages(meta: dict) -> dict:
+    """Where a request's time went, from SGLang's request time stats (`enable_metrics`): ms
+    from arrival to its first forward, from there to its prefill's result processed (the
+    forward, and under the overlap scheduler the next step's launch), and on to completion."""
+    marks = [meta.get(k) for k in ("request_received_ts", "forward_entry_time",
+                                   "prefill_finished_time", "request_finished_ts")]
+    if any(m is None for m in marks):
+        return {}
+    names = ("to_forward", "forward_to_result", "result_to_finish")
+    return {n: round((b - a) * 1e3, 2) for n, a, b in zip(names, marks, marks[1:])}
 
 
 def summarize(trace_path: str, phase: str = "decode") -> dict:
@@ -172,11 +190,13 @@ def summarize(trace_path: str, phase: str = "decode") -> dict:
         site = " <- ".join(reversed(stack)) or "(no python frame)"
         by_site[site] += 1
         site_us[site] += e["dur"]
-    ours = collections.Counter()
+    ours, host = collections.Counter(), collections.Counter()
     for evs in python.values():
         for e in evs:
             if "uniprefill_sglang" in e["name"]:
                 ours[e["name"]] += e["dur"]
+            if "sglang/srt/" in e["name"] or "uniprefill_sglang" in e["name"]:
+                host[e["name"]] += e["dur"]  # inclusive: nested frames count in each
     per_step = 1e3 * steps  # us -> ms per step
     return {
         "trace": os.path.basename(trace_path),
@@ -191,6 +211,10 @@ def summarize(trace_path: str, phase: str = "decode") -> dict:
         "sync_sites": [{"count": c, "ms_total": site_us[s] / 1e3, "site": s}
                        for s, c in by_site.most_common(12)],
         "uniprefill_host_ms_per_step": {k: v / per_step for k, v in ours.most_common(15)},
+        # The same for every engine frame, so that a stock trace compares with the plugin's.
+        "engine_host_ms_per_step": {k: v / per_step for k, v in host.most_common(40)},
+        "graph_launches_per_step": sum(
+            e["name"] == STEP_MARK for e in inside) / steps,
     }
 
 
@@ -243,6 +267,12 @@ def main() -> None:
     ap.add_argument("--stock", action="store_true",
                     help="SGLang without the plugin (SGLANG_PLUGINS=none), one mode: the "
                          "reference the plugin's engine is compared with")
+    ap.add_argument("--extra", default="{}",
+                    help='JSON: more Engine arguments, e.g. {"enable_metrics": true} (request '
+                         'stages in the followup phase) or {"disable_overlap_schedule": true}')
+    ap.add_argument("--no-stacks", action="store_true",
+                    help="followup phase: record no Python stacks (host timing close to an "
+                         "unprofiled step; syncs keep their waits, lose their call sites)")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
     args.tp_size, args.drop_layers = 1, None
@@ -264,6 +294,7 @@ def main() -> None:
         kwargs["disable_radix_cache"] = False
     if args.stock:
         kwargs.pop("enable_uniprefill")
+    kwargs.update(json.loads(args.extra))
     engine = sglang.Engine(**kwargs)
     chunk = engine.get_server_info().get("chunked_prefill_size") or -1
     steps = args.profile_steps or (
@@ -277,6 +308,7 @@ def main() -> None:
               "length": args.length, "keep_ratio": args.keep_ratio,
               "chunked_prefill_size": chunk, "profile_steps": steps,
               "as_served": args.phase == "followup" or args.as_served,
+              "extra_engine_args": json.loads(args.extra),
               "itl_ms": {}, "ttft_s": {}, "kept": {}, "profile": {}}
     try:
         for custom in modes.values():  # warm-up
@@ -287,7 +319,8 @@ def main() -> None:
         for name, custom in modes.items():
             before = set(glob.glob(str(out / "*.trace.json*")))
             profiled = {"decode": _profiled_decode, "prefill": _profiled_prefill,
-                        "followup": _profiled_followup}[args.phase]
+                        "followup": functools.partial(_profiled_followup,
+                                                      stacks=not args.no_stacks)}[args.phase]
             engine.loop.run_until_complete(
                 profiled(engine, runner, args.length, custom, steps, out, args.device == "cuda"))
             new = set()
