@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 import pytest
+from uniprefill_sglang.tools.cpu_engine import idle_state
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -117,17 +118,6 @@ class EngineResults:
         return res
 
 
-def wait_idle_state(engine, tries: int = 100) -> dict:
-    """The plugin's internal state once the scheduler has retired the last requests (they
-    return before it does)."""
-    for _ in range(tries):
-        state = engine.get_server_info()["internal_states"][0].get("uniprefill")
-        if state["idle"]:
-            break
-        time.sleep(0.1)
-    return state
-
-
 def serve_and_record(name: str, engines: dict, engine_kwargs: dict, model_dir: str,
                      out_path: str, workload, port_base: int) -> None:
     """The script side: start engine configuration `name`, run `workload(engine)` (a dict of
@@ -173,7 +163,7 @@ def forced_keep_workload(engine, prompt: list, other: list, greedy: dict = GREED
            "forced": one(prompt, forced), "other": one(other, forced),
            "batch": [record(o) for o in engine.generate(input_ids=[prompt, other],
                                                         sampling_params=forced)]}
-    res["state"] = wait_idle_state(engine)
+    res["state"] = idle_state(engine)
     res["cuda_graph"] = not engine.get_server_info().get("disable_cuda_graph", True)
     return res
 

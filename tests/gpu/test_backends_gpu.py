@@ -46,7 +46,7 @@ from engine_harness import (  # noqa: E402
     cuda_device_count,
     log_dir_or,
     run_engines,
-    wait_idle_state,
+    idle_state,
 )
 
 VOCAB = 1024
@@ -273,7 +273,7 @@ def _run_scenarios(engine, res: dict) -> None:
     res["mixed_short"] = dict(_record(chunks[-1]), output_ids=short_ids)
     res["mixed_long"] = _record(long_out)
     _flush(engine)
-    res["state"] = wait_idle_state(engine)
+    res["state"] = idle_state(engine)
 
 
 def run_engine(name: str, model_dir: str, out_path: str) -> None:

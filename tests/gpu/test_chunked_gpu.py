@@ -32,7 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import (EngineResults, cuda_device_count, log_dir_or,  # noqa: E402
-                            run_engines, serve_and_record, wait_idle_state)
+                            run_engines, serve_and_record, idle_state)
 from test_backends_gpu import _flush, _prompt, _record, build_model  # noqa: E402
 
 ENGINE_KWARGS = dict(
@@ -70,7 +70,7 @@ def run_workload(engine) -> dict:
             res[name].append(_record(engine.generate(
                 input_ids=ids, sampling_params=dict(GREEDY, custom_params=custom))))
             _flush(engine)
-    res["state"] = wait_idle_state(engine)
+    res["state"] = idle_state(engine)
     return res
 
 
