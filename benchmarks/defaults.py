@@ -1,7 +1,9 @@
 """What `--enable-uniprefill` alone costs or saves against stock SGLang, workload by workload.
 
 Each configuration runs in a process of its own (one `sglang.Engine`, SGLang's defaults:
-chunked prefill, prefill CUDA graphs, radix cache on), over the same prompts:
+chunked prefill, prefill CUDA graphs, radix cache on; with ``--rounds N``, N processes each,
+the configurations taking turns, and a summary of the medians over rounds), over the same
+prompts:
 
 * ``stock``: SGLang without the plugin (``SGLANG_PLUGINS=none``: the entry point is not loaded);
 * ``defaults``: ``enable_uniprefill=True`` and nothing else;
@@ -263,6 +265,24 @@ def run_config(name: str, args) -> dict:
         engine.shutdown()
 
 
+def summarize_rounds(rows: list) -> dict:
+    """Per configuration, the median over its rounds of each round's figure: single-request
+    TTFT per length and the follow-ups' median per document length (seconds)."""
+    summary = {}
+    for name in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == name]
+        out = summary[name] = {"rounds": len(mine)}
+        for key, field in (("single", "ttft_s"), ("follow_ups", "median_s")):
+            per_len = {}
+            for r in mine:
+                for length, v in (r.get(key) or {}).items():
+                    per_len.setdefault(length, []).append(v[field])
+            if per_len:
+                out[key] = {n: {"median_s": _median(v), "rounds_s": v}
+                            for n, v in per_len.items()}
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
@@ -270,6 +290,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,32768,131000")
     ap.add_argument("--doc-tokens", default="32768,65536")
     ap.add_argument("--follow-ups", type=int, default=8, help="follow-up questions per document")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="engine processes per configuration, interleaved (see summary)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="fresh prompts per length up to 32K tokens (median reported)")
     ap.add_argument("--attention-backend", default="flashinfer")
@@ -294,8 +316,11 @@ def main() -> None:
     from result_header import result_header
 
     out = {"header": result_header(), "rows": []}
-    for name in args.configs:
-        partial = f"{args.out}.{name}.partial.json"
+    # Rounds interleave the configurations, each round a fresh engine process per configuration:
+    # host speed differs between engine processes by up to 1.7x on follow-ups (benchmarks/
+    # README.md), so one process per configuration measures the process as much as the flags.
+    for round_no, name in [(r, n) for r in range(args.rounds) for n in args.configs]:
+        partial = f"{args.out}.{name}.{round_no}.partial.json"
         env = dict(os.environ)
         if name == "stock":
             env["SGLANG_PLUGINS"] = "none"
@@ -309,8 +334,9 @@ def main() -> None:
                "--out", args.out, "--one-config", name, "--partial", partial]
         code = subprocess.call(cmd, env=env)
         row = json.load(open(partial)) if os.path.exists(partial) else {"config": name}
-        row["exit_code"] = code
+        row["exit_code"], row["round"] = code, round_no
         out["rows"].append(row)
+        out["summary"] = summarize_rounds(out["rows"])
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
         print(json.dumps(row), flush=True)
