@@ -5,6 +5,7 @@ starts with (`engine`)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,32 @@ def test_candidate_layer_sets_stay_inside_the_model():
     for layers in sets:
         assert list(layers) == sorted(set(layers)) and 0 < layers[0] and layers[-1] < 29
         assert 1 <= len(layers) <= 3
+
+
+def test_a_hybrid_drops_only_at_its_full_attention_layers():
+    assert cal.candidate_layer_sets(18, max_drops=3, full_layers=(5, 11, 17)) == [
+        (5,), (5, 11), (11,)]  # Gemma-3-270M: layer 17 is the last, nothing after it to save
+    rng = random.Random()
+    depth = rng.randint(12, 64)
+    full = tuple(sorted(rng.sample(range(depth), rng.randint(1, depth // 2))))
+    sets = cal.candidate_layer_sets(depth, max_drops=3, full_layers=full)
+    usable = {layer for layer in full if 0 < layer < depth - 1}
+    assert len(set(sets)) == len(sets) and {ls[0] for ls in sets} == usable
+    for layers in sets:
+        assert set(layers) <= usable and list(layers) == sorted(set(layers)) and len(layers) <= 3
+
+
+def test_the_shape_of_a_hybrid_and_its_default_schedule():
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(num_hidden_layers=18, hidden_size=640, intermediate_size=2048,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                           architectures=["Gemma3ForCausalLM"])
+    shape = cal.ModelShape.from_hf_config(cfg)
+    assert shape.full_layers == (5, 11, 17)
+    assert shape.default_schedule() == cal.Schedule((11,), 0.975, 64)  # the paper's Gemma 3 rule
+    assert SMOLLM2.full_layers is None
+    assert SMOLLM2.default_schedule() == cal.Schedule((7, 10, 14, 18, 22, 25), 0.99, 64)
 
 
 # ---- profiles ---------------------------------------------------------------------------------

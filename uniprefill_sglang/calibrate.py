@@ -89,6 +89,8 @@ class ModelShape:
     # Each layer's cost by its kind (flops.py); unset: every layer full attention with a dense
     # MLP of the fields above.
     flops: Optional[FlopShape] = None
+    # A hybrid's full-attention layers, the only ones a drop can score at (None: every layer).
+    full_layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         if self.flops is None:
@@ -99,15 +101,33 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
+        from uniprefill_sglang import architectures
+
         text = getattr(cfg, "text_config", cfg)
         heads = text.num_attention_heads
+        kinds = architectures.config_layer_types(text)
+        full = architectures.full_attention_layers(kinds, text.num_hidden_layers)
         return cls(architecture=(getattr(text, "architectures", None) or ["?"])[0],
                    num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
                    intermediate_size=text.intermediate_size, num_heads=heads,
                    num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                    context_length=getattr(text, "max_position_embeddings", 8192),
-                   flops=FlopShape.from_config(cfg))
+                   flops=FlopShape.from_config(cfg),
+                   full_layers=None if len(full) == text.num_hidden_layers else full)
+
+    def default_schedule(self) -> "Schedule":
+        """The plugin's own default for this model (its architecture's rule and top-p)."""
+        from uniprefill_sglang import architectures
+        from uniprefill_sglang.config import DEFAULT_TOP_P
+
+        entry = architectures.lookup([self.architecture])
+        full = self.full_layers if self.full_layers is not None else range(self.num_layers)
+        if entry is None:
+            return Schedule(architectures.scaled_reference_layers(self.num_layers), DEFAULT_TOP_P,
+                            64)
+        return Schedule(tuple(entry.default_drop_layers(self.num_layers, tuple(full))),
+                        entry.top_p or DEFAULT_TOP_P, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,9 +151,24 @@ def flop_ideal_speedup(kept_per_case: Sequence[Sequence[int]], drop_layers: Sequ
 
 
 def candidate_layer_sets(num_layers: int, max_drops: int = MAX_DROPS,
-                         first_step: Optional[int] = None) -> list[tuple[int, ...]]:
+                         first_step: Optional[int] = None,
+                         full_layers: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
     """First drop every ``first_step`` layers from layer 2; 1..max_drops drops spread evenly from
-    there to 85% of the depth (where the paper's Llama schedule ends)."""
+    there to 85% of the depth (where the paper's Llama schedule ends). A hybrid scores only at
+    its full-attention layers (``full_layers``): each but the last layer can drop first, with
+    1..max_drops drops spread evenly over it and the full-attention layers after it."""
+    if full_layers is not None:
+        usable = [layer for layer in full_layers if 0 < layer < num_layers - 1]
+        sets = []
+        for i in range(len(usable)):
+            pool = usable[i:]
+            for n in range(1, min(max_drops, len(pool)) + 1):
+                picks = (0,) if n == 1 else tuple(round(k * (len(pool) - 1) / (n - 1))
+                                                   for k in range(n))
+                layers = tuple(sorted({pool[k] for k in picks}))
+                if layers not in sets:
+                    sets.append(layers)
+        return sets
     step = first_step or max(1, num_layers // 10)
     last = round(0.85 * (num_layers - 1))
     sets = []
@@ -792,16 +827,15 @@ def _cases(setup: Setup, seeds, depths, tasks, haystacks) -> list:
 
 
 def search_space(args, shape: ModelShape) -> SearchSpace:
-    from uniprefill_sglang.config import DEFAULT_TOP_P, default_drop_layers
-
     if args.layer_sets:
         layer_sets = [tuple(_ints(s)) for s in args.layer_sets.split(";")]
     else:
-        layer_sets = candidate_layer_sets(shape.num_layers, args.max_drops, args.first_layer_step)
+        layer_sets = candidate_layer_sets(shape.num_layers, args.max_drops, args.first_layer_step,
+                                          shape.full_layers)
     return SearchSpace(
         layer_sets=layer_sets,
         schedules=candidate_schedules(layer_sets, _floats(args.top_p), _ints(args.block_sizes)),
-        default=Schedule(default_drop_layers(shape.num_layers), DEFAULT_TOP_P, 64),
+        default=shape.default_schedule(),
         # Every layer that a candidate drops first at, at the smallest block size.
         heatmap_layers={ls[0]: min(_ints(args.block_sizes)) for ls in layer_sets})
 
