@@ -122,12 +122,10 @@ class ModelShape:
         from uniprefill_sglang.config import DEFAULT_TOP_P
 
         entry = architectures.lookup([self.architecture])
+        rule = entry.default_drop_layers if entry else architectures.scaled_reference_layers
         full = self.full_layers if self.full_layers is not None else range(self.num_layers)
-        if entry is None:
-            return Schedule(architectures.scaled_reference_layers(self.num_layers), DEFAULT_TOP_P,
-                            64)
-        return Schedule(tuple(entry.default_drop_layers(self.num_layers, tuple(full))),
-                        entry.top_p or DEFAULT_TOP_P, 64)
+        top_p = (entry.top_p if entry else None) or DEFAULT_TOP_P
+        return Schedule(tuple(rule(self.num_layers, tuple(full))), top_p, 64)
 
 
 # ---------------------------------------------------------------------------------------------
