@@ -776,11 +776,15 @@ def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
     model_path = prepare_model(args.model) if args.model in MODELS else args.model
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_path))
     budget = shape.context_length - 64  # room for the answer within the context
+    lengths = [min(L, budget) for L in _ints(args.lengths)]
+    # The engines' context holds the longest case and its answer (the CPU engine's default,
+    # 8192, would refuse an 8K case of a model whose own context is longer).
+    engine_kwargs = {"context_length": min(shape.context_length, max(lengths) + 256),
+                     **json.loads(args.engine_kwargs)}
     setup = Setup(args=args, command="python -m uniprefill_sglang.calibrate " + " ".join(argv),
                   started=started, model_path=model_path, shape=shape,
                   tokenizer=AutoTokenizer.from_pretrained(model_path),
-                  engine_kwargs=json.loads(args.engine_kwargs),
-                  tasks=_names(args.tasks), lengths=[min(L, budget) for L in _ints(args.lengths)],
+                  engine_kwargs=engine_kwargs, tasks=_names(args.tasks), lengths=lengths,
                   haystacks=_names(args.haystacks))
     setup.heldout_tasks = _names(args.heldout_tasks) if args.heldout_tasks else setup.tasks
     setup.heldout_haystacks = (_names(args.heldout_haystacks) if args.heldout_haystacks
