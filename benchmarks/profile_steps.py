@@ -241,8 +241,8 @@ def _measure_ttft(runner, args, modes, result) -> None:
             times[name].append(seconds[0])
             result["kept"][name] = metas[0].get("kept_tokens")
     for name, values in times.items():
-        result["ttft_s"][name] = statistics.median(values)
-        print(f"{name}: TTFT {statistics.median(values):.3f} s (of {values}), kept per stage "
+        result["ttft_s"][name] = median = statistics.median(values)
+        print(f"{name}: TTFT {median:.3f} s (of {values}), kept per stage "
               f"{result['kept'][name]}", flush=True)
 
 
@@ -289,12 +289,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.load(open(f"{args.model_path}/config.json"))
     kwargs = engine_kwargs_for(args, [args.length + args.decode_tokens + 128])
-    if args.phase == "followup" or args.as_served:  # the radix cache and prefill graphs on
+    as_served = args.phase == "followup" or args.as_served
+    extra = json.loads(args.extra)
+    if as_served:  # the radix cache and prefill graphs on
         kwargs.pop("cuda_graph_backend_prefill")
         kwargs["disable_radix_cache"] = False
     if args.stock:
         kwargs.pop("enable_uniprefill")
-    kwargs.update(json.loads(args.extra))
+    kwargs.update(extra)
     engine = sglang.Engine(**kwargs)
     chunk = engine.get_server_info().get("chunked_prefill_size") or -1
     steps = args.profile_steps or (
@@ -307,8 +309,7 @@ def main() -> None:
     result = {"header": result_header(model=args.model_path), "phase": args.phase,
               "length": args.length, "keep_ratio": args.keep_ratio,
               "chunked_prefill_size": chunk, "profile_steps": steps,
-              "as_served": args.phase == "followup" or args.as_served,
-              "extra_engine_args": json.loads(args.extra),
+              "as_served": as_served, "extra_engine_args": extra,
               "itl_ms": {}, "ttft_s": {}, "kept": {}, "profile": {}}
     try:
         for custom in modes.values():  # warm-up
