@@ -11,7 +11,7 @@ import torch
 from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view
 from uniprefill_sglang.context import CheckFailed
 from uniprefill_sglang.kv_validity import KVGaps, RequestStageKV, SlotStages, check_kv_lens, \
-    compact, gather_seq_slots, stage_views
+    compact, gather_seq_slots, stage_views, window_views
 
 NUM_DROPS = 4
 
@@ -195,3 +195,38 @@ def test_window_views_list_the_positions_a_sliding_window_reaches(seed):
             lo, hi = int(indptr[row, b]), int(indptr[row, b + 1])
             assert int(counts[row, b]) == hi - lo == len(want), (row, b)
             assert list(zip(indices[row, lo:hi].tolist(), pos[row, lo:hi].tolist())) == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_views_from_the_span_equal_the_whole_sequence_rows(seed):
+    """`window_views` gathers only each sequence's last `window + 1` positions into static
+    buffers sized for them, and lists what `stage_views`' windowed rows list for stages 1..D,
+    with the positions; CUDA-graph padding rows (past `raw_bs`) keep their whole span."""
+    bs, pad = 5, 2
+    stages, req_to_token, rows, lens = _random_pool(seed, bs=bs, max_len=43)
+    window = random.Random(seed).choice([0, 1, 6, 17, 100])
+    all_rows = torch.cat([rows, rows[:1].expand(pad)])
+    all_lens = torch.cat([lens, torch.full((pad,), 5, dtype=torch.int64)])
+    n = int(all_lens.clamp(max=window + 1).sum())
+    outs = torch.full((NUM_DROPS, n + 3), -9, dtype=torch.int32)  # poisoned static buffers
+    pos_outs = torch.full((NUM_DROPS, n + 3), -9, dtype=torch.int32)
+    indptr_outs = torch.full((NUM_DROPS, bs + pad + 2), -9, dtype=torch.int32)
+    counts, indptr, indices, pos = window_views(stages, req_to_token, all_rows, all_lens, window,
+                                                n, bs, outs=outs, indptr_outs=indptr_outs,
+                                                pos_outs=pos_outs)
+    assert indices.data_ptr() == outs.data_ptr() and pos.data_ptr() == pos_outs.data_ptr()
+    want = stage_views(stages, req_to_token, rows, lens, int(lens.sum()), bs, window=window,
+                       positions=True)
+    for k in range(NUM_DROPS):
+        row = NUM_DROPS + 1 + k  # stage_views' windowed row of stage k + 1
+        for b in range(bs + pad):
+            lo, hi = int(indptr[k, b]), int(indptr[k, b + 1])
+            assert int(counts[k, b]) == hi - lo
+            got = list(zip(indices[k, lo:hi].tolist(), pos[k, lo:hi].tolist()))
+            if b >= bs:  # padding: the whole span, unfiltered
+                length = int(all_lens[b])
+                span = range(max(0, length - 1 - window), length)
+                assert got == [(int(req_to_token[int(all_rows[b]), p]), p) for p in span]
+                continue
+            wlo, whi = int(want[1][row, b]), int(want[1][row, b + 1])
+            assert got == list(zip(want[2][row, wlo:whi].tolist(), want[3][row, wlo:whi].tolist()))

@@ -258,14 +258,19 @@ class SeqSlots(NamedTuple):
 
 
 def gather_seq_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                     seq_lens: torch.Tensor, n: int) -> SeqSlots:
-    """The slots of positions [0, seq_len) of each request (n = the lengths' sum, host-known)."""
+                     seq_lens: torch.Tensor, n: int,
+                     starts: Optional[torch.Tensor] = None) -> SeqSlots:
+    """The slots of positions [start, seq_len) of each request (`starts` [bs], default 0;
+    n = the spans' sum, host-known)."""
     bs = req_pool_indices.shape[0]
-    lens = seq_lens[:bs].to(torch.int64)
+    ends = seq_lens[:bs].to(torch.int64)
+    lens = ends if starts is None else ends - starts[:bs].to(torch.int64)
     row = segment_ids(lens, n)
     bounds = torch.zeros(bs + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=bounds[1:])
     col = torch.arange(n, device=lens.device) - bounds[row]
+    if starts is not None:
+        col += starts[:bs].to(torch.int64)[row]
     slots = req_to_token[req_pool_indices.to(torch.int64)[row], col]
     return SeqSlots(slots, row, bounds, col)
 
@@ -342,6 +347,31 @@ def stage_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_len
         return views
     _, _, pos = compact(seq.pos.expand(keep.shape[0], n), seq.bounds, keep)
     return (*views, pos)
+
+
+def window_views(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
+                 window: int, n: int, raw_bs: int, outs=None, indptr_outs=None, pos_outs=None):
+    """A decode step's sliding-window lists at every stage after the first: row k lists, of
+    stage k + 1's KV, the positions a query at each sequence's last position sees (at most
+    `window` positions back, in original positions), with each listed slot's position:
+    (counts [D, bs], indptr [D, bs + 1], indices [D, >= n + 1], pos [D, >= n + 1]).
+
+    The same lists as `stage_views(..., window=window)`'s windowed rows, gathered from the
+    window's span only (n = the spans' sum, `min(seq_len, window + 1)` per request, host-known),
+    so static buffers hold `max_bs * (window + 1) + 1` entries per stage, not a whole batch's
+    sequences. Padding rows of a CUDA-graph batch (index >= raw_bs) keep their whole span."""
+    bs = req_pool_indices.shape[0]
+    ends = seq_lens[:bs].to(torch.int64)
+    seq = gather_seq_slots(req_to_token, req_pool_indices, ends, n,
+                           starts=torch.clamp(ends - (window + 1), min=0))
+    keep = (slot_stages.slot_stage[seq.slots.to(torch.int64)].unsqueeze(0)
+            >= slot_stages.stages_after_first.unsqueeze(1))
+    if raw_bs < bs:
+        keep |= (seq.row >= raw_bs).unsqueeze(0)
+    counts, indptr, indices = compact(slot_stages.pool_slots_after_first(seq.slots), seq.bounds,
+                                      keep, out=outs, indptr_out=indptr_outs)
+    _, _, pos = compact(seq.pos.expand(keep.shape[0], n), seq.bounds, keep, out=pos_outs)
+    return counts, indptr, indices, pos
 
 
 def extend_stage_slots(slot_stages: SlotStages, req_to_token, req_pool_indices, seq_lens,
