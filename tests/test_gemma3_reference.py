@@ -282,7 +282,7 @@ def _check_against(out, want: ref.Generation, kept=None):
     at every step, logits within LOGITS_RTOL."""
     meta = _meta(out)
     if kept is not None:
-        assert meta["enabled"] and meta["reason"] is None, meta
+        assert meta["enabled"] and meta["reason"] is None, str(meta)
         assert meta["kept_tokens"][1:] == [len(k) for k in kept], meta
         assert meta["kept_digest"] == [_digest(k) for k in kept], meta
     assert out["output_ids"] == want.tokens

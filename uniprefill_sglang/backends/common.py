@@ -2,7 +2,8 @@
 (`StageViewAdapter`: the upstream class it hooks, its per-backend state, whether a backend
 instance can serve the views), the one rule of when a layer reads KV through a per-stage view,
 and the helpers of the GPU adapters (batch sizes read without a device sync, the survivors'
-KV write, the prefix view). The views themselves are built by kv_validity.py."""
+KV write, the prefix view, and the sliding-window layers after a drop, which every GPU backend
+serves with `kernels.positional_attention`). The views themselves are built by kv_validity.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from uniprefill_sglang import kernels
 from uniprefill_sglang.context import to_device
-from uniprefill_sglang.kv_validity import check_kv_lens, extend_stage_slots, stage_views
+from uniprefill_sglang.kv_validity import (
+    check_kv_lens,
+    extend_stage_slots,
+    segment_ids,
+    stage_views,
+)
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -167,3 +174,71 @@ def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:
 def view_cache(ctx, key: str) -> dict:
     """A per-forward cache on the drop context (views planned once, run by every layer)."""
     return ctx.views.setdefault(key, {})
+
+
+def extend_qo_indptr(ctx, stage: int) -> torch.Tensor:
+    """[bs + 1] int64 on the device: each request's rows alive at `stage` (`ctx.lens`, which
+    each drop shrinks) as offsets. Built once per stage per forward."""
+    cache = view_cache(ctx, "qo_indptr")
+    qo_indptr = cache.get(stage)
+    if qo_indptr is None:
+        lens = to_device(ctx.lens, torch.int64, ctx.forward_batch.req_pool_indices.device)
+        qo_indptr = lens.new_zeros(lens.shape[0] + 1)
+        torch.cumsum(lens, 0, out=qo_indptr[1:])
+        cache[stage] = qo_indptr
+    return qo_indptr
+
+
+# ---- sliding-window layers after a drop ------------------------------------------------------
+# A backend's own window kernel counts the window in KV entries, which is wrong once entries are
+# missing; after a drop these layers attend through `kernels.positional_attention`, masked by the
+# original positions (a query at p sees the keys at p - window .. p).
+def window_extend_keys(runtime, req_to_token, ctx, stage: int):
+    """Extend at `stage` on a sliding-window layer: each request's keys, its valid prefix then
+    its current rows (written before attention), as (qo_indptr, kv_indptr, kv_indices,
+    kv_pos), the slots in the stage's pool and their original positions. Built once per stage
+    per forward."""
+    cache = view_cache(ctx, "window_extend_keys")
+    keys = cache.get(stage)
+    if keys is not None:
+        return keys
+    fb = ctx.forward_batch
+    device = fb.req_pool_indices.device
+    qo_indptr = extend_qo_indptr(ctx, stage)
+    counts, indptr, indices, pos = prefix_view(runtime, req_to_token, fb, ctx, stage,
+                                               dtype=torch.int64, positions=True)
+    lens = qo_indptr[1:] - qo_indptr[:-1]
+    kv_indptr = indptr.to(torch.int64) + qo_indptr
+    n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
+    n_rows = sum(ctx.lens)
+    kv_indices = torch.empty(n_prefix + n_rows, dtype=torch.int64, device=device)
+    kv_pos = torch.empty_like(kv_indices)
+    # Request b's prefix entries move up by the current rows of the requests before it, its
+    # current rows land after its prefix.
+    ahead = qo_indptr[segment_ids(counts, n_prefix)]
+    to = torch.arange(n_prefix, device=device) + ahead
+    kv_indices[to] = indices[:n_prefix]
+    kv_pos[to] = pos[:n_prefix]
+    to = indptr.to(torch.int64)[segment_ids(lens, n_rows) + 1] + torch.arange(n_rows,
+                                                                             device=device)
+    kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc, stage).to(torch.int64)
+    kv_pos[to] = ctx.positions.to(torch.int64)
+    keys = (qo_indptr, kv_indptr, kv_indices, kv_pos)
+    cache[stage] = keys
+    return keys
+
+
+def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):
+    """A sliding-window layer's attention over `keys` (window_extend_keys' tuple, or a decode
+    step's window lists with a one-row-per-request qo_indptr), masked by original positions.
+    Rows of q past `q_pos` (the prefill graph's padding) stay zero."""
+    qo_indptr, kv_indptr, kv_indices, kv_pos = keys
+    q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    rows = q_pos.shape[0]
+    out = q.new_zeros((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+    kernels.positional_attention(
+        q[:rows], q_pos, qo_indptr,
+        pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+        kv_indptr, kv_indices, kv_pos, layer.scaling, window=window,
+        logit_cap=layer.logit_cap, max_q_len=max_q_len, out=out[:rows])
+    return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

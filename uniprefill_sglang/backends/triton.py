@@ -32,22 +32,24 @@ from typing import Optional
 
 import torch
 
-from uniprefill_sglang import kernels
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
     decode_has_sparse,
     decode_needs_views,
     extend_needs_view,
+    extend_qo_indptr,
     prefix_view,
     seq_lens_sum,
     sliding_window,
     stages_after_first,
     view_cache,
+    window_attention,
+    window_extend_keys,
     write_kv,
 )
-from uniprefill_sglang.context import UniPrefillError, current, to_device
-from uniprefill_sglang.kv_validity import segment_ids, stage_views
+from uniprefill_sglang.context import UniPrefillError, current
+from uniprefill_sglang.kv_validity import stage_views
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -115,68 +117,14 @@ def _extend_view(backend, runtime, ctx, fb, stage: int):
     view = cache.get(stage)
     if view is not None:
         return view
-    bs = fb.req_pool_indices.shape[0]
-    device = fb.req_pool_indices.device
-    # With the positions where sliding-window layers need them (`_window_keys`): one
+    # With the positions where sliding-window layers need them (`window_extend_keys`): one
     # compaction serves both kinds of layer.
     _, kv_indptr, kv_indices, *_ = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
                                                 dtype=torch.int64,
                                                 positions=_model_window(backend) is not None)
-    lens = to_device(ctx.lens, torch.int64, device)
-    qo_indptr = torch.zeros(bs + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lens, 0, out=qo_indptr[1:])
-    view = (kv_indptr, kv_indices, qo_indptr, max(ctx.lens))
+    view = (kv_indptr, kv_indices, extend_qo_indptr(ctx, stage), max(ctx.lens))
     cache[stage] = view
     return view
-
-
-def _window_keys(backend, runtime, ctx, stage: int):
-    """Extend at `stage` on a sliding-window layer: each request's keys, its valid prefix then
-    its current rows (written before attention), as (kv_indptr, kv_indices, kv_pos), the slots
-    in the stage's pool and their original positions. Built once per stage per forward."""
-    cache = view_cache(ctx, "_uniprefill_triton_window_keys")
-    keys = cache.get(stage)
-    if keys is not None:
-        return keys
-    fb = ctx.forward_batch
-    device = fb.req_pool_indices.device
-    _, _, qo_indptr, _ = _extend_view(backend, runtime, ctx, fb, stage)
-    counts, indptr, indices, pos = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
-                                               dtype=torch.int64, positions=True)
-    lens = qo_indptr[1:] - qo_indptr[:-1]
-    kv_indptr = indptr.to(torch.int64) + qo_indptr
-    n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
-    n_rows = sum(ctx.lens)
-    kv_indices = torch.empty(n_prefix + n_rows, dtype=torch.int64, device=device)
-    kv_pos = torch.empty_like(kv_indices)
-    # Request b's prefix entries move up by the current rows of the requests before it, its
-    # current rows land after its prefix.
-    ahead = qo_indptr[segment_ids(counts, n_prefix)]
-    to = torch.arange(n_prefix, device=device) + ahead
-    kv_indices[to] = indices[:n_prefix]
-    kv_pos[to] = pos[:n_prefix]
-    to = indptr.to(torch.int64)[segment_ids(lens, n_rows) + 1] + torch.arange(n_rows,
-                                                                             device=device)
-    kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc, stage).to(torch.int64)
-    kv_pos[to] = ctx.positions.to(torch.int64)
-    keys = (qo_indptr, kv_indptr, kv_indices, kv_pos)
-    cache[stage] = keys
-    return keys
-
-
-def _window_extend(backend, runtime, ctx, layer, q, stage: int, window: int):
-    qo_indptr, kv_indptr, kv_indices, kv_pos = _window_keys(backend, runtime, ctx, stage)
-    pool = backend.token_to_kv_pool
-    q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    # Under the prefill graph q has padding rows past the batch's: their output stays zero.
-    rows = ctx.positions.shape[0]
-    out = q.new_zeros((q.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-    kernels.positional_attention(
-        q[:rows], ctx.positions, qo_indptr,
-        pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-        kv_indptr, kv_indices, kv_pos, layer.scaling, window=window,
-        logit_cap=layer.logit_cap, max_q_len=max(ctx.lens), out=out[:rows])
-    return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
@@ -205,7 +153,9 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
                      layer.k_scale, layer.v_scale)
     window = sliding_window(layer)
     if window is not None:
-        return _window_extend(backend, runtime, ctx, layer, q, stage, window)
+        keys = window_extend_keys(runtime, backend.req_to_token, ctx, stage)
+        return window_attention(backend.token_to_kv_pool, layer, q, ctx.positions, keys, window,
+                                max(ctx.lens))
     meta = backend.forward_metadata
     saved = (meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len)
     meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len = (
