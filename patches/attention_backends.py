@@ -14,7 +14,10 @@ hooks are listed by its adapter (`StageViewAdapter.hooks()`) and registered here
     over the stage's valid prefix, merged (or, where upstream runs no ragged wrapper, one paged
     wrapper over the whole compacted view).
   - `init_forward_metadata` (AROUND): a decode batch that needs views plans one decode
-    wrapper per stage; `_get_wrapper_idx` (AROUND) returns the layer's stage under such metadata.
+    wrapper per stage (and, for a sliding-window model, builds each later stage's window
+    lists); `_get_wrapper_idx` (AROUND) returns the layer's stage wrapper under such metadata;
+    `forward_decode` (AROUND) runs a sliding-window layer after a drop over its stage's window
+    list (`kernels.positional_attention`; experimental, `UNIPREFILL_FLASHINFER_SLIDING_WINDOW`).
   - `init_cuda_graph_state` / `_create_decode_wrappers` (AFTER) and
     `init_forward_metadata_out_graph` (AROUND): decode CUDA graphs capture one wrapper per
     stage over per-stage static buffers, refilled and re-planned outside the graph on replay.

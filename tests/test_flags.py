@@ -136,18 +136,24 @@ def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():
                            ["Qwen3NextForCausalLM"], 48, layer_types=kinds)
 
 
-def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them():
+def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them(monkeypatch):
     default = build_config(**DEFAULTS)
-    # Gemma 3 on a backend whose adapter has no sliding-window view: dense, saying why.
+    # FlashInfer serves them only under its experimental switch.
+    monkeypatch.delenv("UNIPREFILL_FLASHINFER_SLIDING_WINDOW", raising=False)
     reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
                                              ["flashinfer"])
+    assert "(not flashinfer)" in reason
+    monkeypatch.setenv("UNIPREFILL_FLASHINFER_SLIDING_WINDOW", "1")
+    # Gemma 3 on a backend whose adapter has no sliding-window view: dense, saying why.
+    reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
+                                             ["torch_native", "fa3"])
     assert "sliding-window layers" in reason and "torch_native" in reason
-    assert "flashinfer" in reason
+    assert "(not fa3)" in reason
     assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
-                              attention_backends=["torch_native", "flashinfer"]) == ()
-    # torch_native and Triton both serve them (Gemma-3-270M's default drop: layer 11).
+                              attention_backends=["torch_native", "fa3"]) == ()
+    # torch_native, Triton and FlashInfer all serve them (Gemma-3-270M's default drop: layer 11).
     assert unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
-                                           ["torch_native", "triton"]) is None
+                                           ["torch_native", "triton", "flashinfer"]) is None
     assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
                               attention_backends=["torch_native", "triton"]) == (11,)
     # A Llama-shaped decoder configured with sliding-window layers (e.g. Qwen2 with

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from uniprefill_sglang import architectures as arch_table
 
@@ -20,9 +20,17 @@ SUPPORTED_ARCHITECTURES = arch_table.SUPPORTED_NAMES
 
 # Attention backends that know how to read per-stage (sparse) KV (uniprefill_sglang/backends/).
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
-# Those whose adapter also serves sliding-window layers over the survivors (the window measured
-# in original positions); on the others a model with such layers runs dense.
-SLIDING_WINDOW_ATTENTION_BACKENDS = ("torch_native", "triton")
+
+
+def sliding_window_attention_backends() -> Tuple[str, ...]:
+    """Those whose adapter also serves sliding-window layers over the survivors (the window
+    measured in original positions); on the others a model with such layers runs dense.
+    FlashInfer's is experimental (environ.FLASHINFER_SLIDING_WINDOW says why)."""
+    from uniprefill_sglang import environ
+
+    return ("torch_native", "triton") + (
+        ("flashinfer",) if environ.FLASHINFER_SLIDING_WINDOW.get() else ())
+
 
 DEFAULT_TOP_P = 0.99
 DEFAULT_BLOCK_SIZE = 64
@@ -324,10 +332,11 @@ def unsupported_architecture_reason(
     if kinds:
         return (f"unsupported architecture {names}: layers of kind {', '.join(kinds)} "
                 f"(its integration serves {', '.join(sorted(entry.layer_kinds))})")
-    windowless = sorted(set(attention_backends) - set(SLIDING_WINDOW_ATTENTION_BACKENDS))
+    serving = sliding_window_attention_backends()
+    windowless = sorted(set(attention_backends) - set(serving))
     if arch_table.SLIDING_ATTENTION in (layer_types or ()) and windowless:
         return (f"{names} has sliding-window layers, which UniPrefill serves on the "
-                f"{' and '.join(SLIDING_WINDOW_ATTENTION_BACKENDS)} attention backends only "
+                f"{' and '.join(serving)} attention backends only "
                 f"(not {', '.join(windowless)})")
     return None
 

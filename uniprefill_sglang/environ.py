@@ -71,6 +71,12 @@ TEST_FAULT = Choice(
     "parked rows rejoin, in the dense re-run too (the request is failed); 'hook' registers a "
     "hook on a target no SGLang has (start-up must refuse)",
     ("drop", "last_drop", "kv_gaps", "rejoin", "hook"))
+FLASHINFER_SLIDING_WINDOW = Flag(
+    "UNIPREFILL_FLASHINFER_SLIDING_WINDOW",
+    "experimental: FlashInfer serves the drops of a sliding-window model (Gemma 3), its window "
+    "layers after a drop through kernels.positional_attention; on an H200 a prompt prefilled in "
+    "one step answers as torch_native does, a chunked one (parked rows rejoining) does not yet, "
+    "so without it such a model runs dense on FlashInfer")
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")
@@ -81,5 +87,5 @@ CPU_ENGINE = Text(
     "UNIPREFILL_CPU_ENGINE", "tests: '1' forces SGLang's CPU engine, '0' forbids it (default: "
     "the CPU engine when CUDA is absent)")
 
-ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT, CACHE,
-       SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)
+ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
+       FLASHINFER_SLIDING_WINDOW, CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

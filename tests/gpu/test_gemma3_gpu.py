@@ -1,4 +1,5 @@
-"""Gemma 3 on the GPU: sliding-window layers after a drop on Triton, against torch_native.
+"""Gemma 3 on the GPU: sliding-window layers after a drop on Triton and FlashInfer, against
+torch_native.
 
 Skipped without CUDA. Run in a pytest process of its own:
 
@@ -9,14 +10,16 @@ The model is a reduced Gemma 3 (8 layers, sliding window 128 except the global l
 the GPU). UniPrefill drops at layers 3 and 6 with a forced keep, so the sliding layers 4, 5 and
 7 attend to survivors whose window is counted in original positions: on Triton through
 `kernels.positional_attention` in prefill and the per-stage window lists in decode (CUDA
-graphs on), on torch_native through its masks (the engine tests/test_gemma3_reference.py holds
+graphs on), on FlashInfer through `kernels.positional_attention` in both (its full layers
+through per-stage wrappers), on torch_native through its masks (the engine tests/test_gemma3_reference.py holds
 to a float64 reference on the CPU). Checked, under the staged and the shared KV layouts:
 
 * top-p 1.0 is token-identical to dense in the same engine;
 * a forced keep gives the same kept counts and tokens unchunked, chunked at 512 (the earlier
   chunks park and rejoin) and batched with another prompt;
-* Triton keeps what torch_native keeps and answers as it does (the selection and the sliding
-  layers computed by different kernels: equal answers say the window lists are the model's);
+* Triton and FlashInfer keep what torch_native keeps and answer as it does (the selection and
+  the sliding layers computed by different kernels: equal answers say the window lists are the
+  model's);
 * nothing is left parked and no slot leaks.
 """
 
@@ -49,7 +52,7 @@ ENGINE_KWARGS = dict(
     uniprefill_drop_layers="3,6", uniprefill_block_size=16, uniprefill_sink_tokens=16,
     uniprefill_last_queries=16, disable_radix_cache=True, dtype="bfloat16",
     context_length=8192, max_running_requests=8, max_total_tokens=32768,
-    mem_fraction_static=0.25, random_seed=0, log_level="info")
+    mem_fraction_static=0.4, random_seed=0, log_level="info")
 STAGED = dict(uniprefill_kv_layout="staged")
 ENGINES = {
     "tn_whole": dict(attention_backend="torch_native", chunked_prefill_size=8192, **STAGED),
@@ -57,8 +60,12 @@ ENGINES = {
     "tr_chunked": dict(attention_backend="triton", chunked_prefill_size=512, **STAGED),
     "tr_shared": dict(attention_backend="triton", chunked_prefill_size=512,
                       uniprefill_kv_layout="shared"),
+    "fi_whole": dict(attention_backend="flashinfer", chunked_prefill_size=8192, **STAGED),
+    "fi_chunked": dict(attention_backend="flashinfer", chunked_prefill_size=512, **STAGED),
+    "fi_shared": dict(attention_backend="flashinfer", chunked_prefill_size=512,
+                      uniprefill_kv_layout="shared"),
 }
-TRITON = [n for n in ENGINES if n.startswith("tr_")]
+GPU_BACKENDS = [n for n in ENGINES if not n.startswith("tn_")]
 TIMEOUT_S = 420
 
 
@@ -99,8 +106,8 @@ def test_forced_keep_drops_and_batches_alike(results, name):
         [res["forced"]["output_ids"], res["other"]["output_ids"]]
 
 
-@pytest.mark.parametrize("name", TRITON)
-def test_triton_answers_as_torch_native(results, name):
+@pytest.mark.parametrize("name", GPU_BACKENDS)
+def test_gpu_backends_answer_as_torch_native(results, name):
     want, res = results["tn_whole"], results[name]
     assert res["cuda_graph"]
     for key in ("dense", "forced", "other"):
@@ -119,5 +126,8 @@ def test_no_parked_state_or_slot_left(results, name):
 
 
 if __name__ == "__main__":
+    import os
+
+    os.environ["UNIPREFILL_FLASHINFER_SLIDING_WINDOW"] = "1"  # the fi_* engines' drops
     name, model_dir, out_path = sys.argv[1:4]
     serve_and_record(name, ENGINES, ENGINE_KWARGS, model_dir, out_path, run_workload, 35000)

@@ -21,6 +21,14 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
   wrapper per stage > 0 is planned once per step; `_get_wrapper_idx` returns the layer's stage
   while such a metadata is active. Dense batches under the shared layout keep upstream's
   single wrapper.
+* Sliding-window layers (Gemma 3's local layers; upstream's wrapper pair dispatches them to a
+  windowed wrapper) after a drop: FlashInfer's `window_left` counts KV entries, and a decode
+  plan needs each window list's length on the host, which only the device knows once entries
+  are missing. These layers run `kernels.positional_attention` instead (backends/common.py):
+  in extend over each request's valid prefix and current rows, in decode over per-stage lists
+  of the positions the window reaches (`kv_validity.window_views`, built on the device every
+  step, in static buffers under decode CUDA graphs). Stage 0, which holds every token, keeps
+  upstream's windowed wrappers.
 * Decode CUDA graphs: every captured batch size gets one wrapper per stage, with per-stage
   static indptr / indices buffers (their int workspaces shared across batch sizes, since one
   graph replays at a time, unless the KV split is off: see `create_decode_wrappers`). On replay
@@ -38,6 +46,7 @@ from typing import Dict, Optional
 
 import torch
 
+from uniprefill_sglang import environ
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
@@ -49,8 +58,11 @@ from uniprefill_sglang.backends.common import (
     host_seq_lens,
     prefix_view,
     seq_lens_sum,
+    sliding_window,
     stages_after_first,
     view_cache,
+    window_attention,
+    window_extend_keys,
     write_kv,
 )
 from uniprefill_sglang.context import UniPrefillError, current
@@ -59,6 +71,7 @@ from uniprefill_sglang.kv_validity import (
     compact,
     gather_seq_slots,
     stage_views,
+    window_views,
 )
 from uniprefill_sglang.runtime import get_runtime
 
@@ -74,6 +87,11 @@ class _State:
         self.graph_indptr: Optional[torch.Tensor] = None
         self.graph_indices: Optional[torch.Tensor] = None
         self.graph_int_ws: Dict[int, tuple] = {}
+        # ... and, for a model with sliding-window layers, the window lists of each stage after
+        # the first (kv_validity.window_views: indptr, indices, positions) and the decode rows'
+        # query offsets (0, 1, ..., max_bs).
+        self.graph_windows: Optional[tuple] = None
+        self.graph_qo_indptr: Optional[torch.Tensor] = None
 
 
 class FlashInferAdapter(StageViewAdapter):
@@ -81,8 +99,16 @@ class FlashInferAdapter(StageViewAdapter):
     State = _State
 
     def unsupported_reason(self, backend):
-        if backend.num_wrappers != 1:
-            return "FlashInfer with a wrapper pair (sliding-window or cross-attention layers)"
+        if backend.num_wrappers != 1 and _model_window(backend) is None:
+            return "FlashInfer with a wrapper pair for cross-attention layers"
+        if _model_window(backend) is not None and not environ.FLASHINFER_SLIDING_WINDOW.get():
+            return (f"FlashInfer with sliding-window layers (experimental: "
+                    f"{environ.FLASHINFER_SLIDING_WINDOW.name}=1)")
+        if _model_window(backend) is not None and (
+                backend.use_sliding_window_kv_pool
+                or backend.token_to_kv_pool.dtype != backend.indices_updater_decode.q_data_type):
+            return ("FlashInfer with sliding-window layers on a sliding-window KV pool or a KV "
+                    "cache of another dtype than the queries")
         if backend.page_size != 1:
             return "FlashInfer with a page size other than 1"
         if backend.prefill_uses_dequant_workspace or backend.decode_uses_dequant_workspace:
@@ -103,6 +129,7 @@ class FlashInferAdapter(StageViewAdapter):
 
     def hooks(self):
         return [("forward_extend", forward_extend, "around"),
+                ("forward_decode", forward_decode, "around"),
                 ("init_forward_metadata", init_forward_metadata, "around"),
                 ("_get_wrapper_idx", get_wrapper_idx, "around"),
                 ("init_cuda_graph_state", init_cuda_graph_state, "after"),
@@ -111,6 +138,17 @@ class FlashInferAdapter(StageViewAdapter):
 
 
 ADAPTER = FlashInferAdapter()
+
+
+def _model_window(backend) -> Optional[int]:
+    """The sliding window of the model's local layers when upstream dispatches them to a
+    wrapper of their own, else None."""
+    from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
+
+    if backend.dispatch_reason != WrapperDispatch.SLIDING_WINDOW:
+        return None
+    window = backend.indices_updater_decode.sliding_window_size
+    return window if window is not None and window >= 0 else None
 
 
 # ---- extend ----------------------------------------------------------------------------------
@@ -261,12 +299,18 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         raise UniPrefillError(f"FlashInfer layer {layer.layer_id} needs a per-stage KV view "
                               f"that this call cannot take ({why})")
     stage = runtime.stages.stage(layer.layer_id)
+    window = sliding_window(layer)
     # From the live batch: under the breakable prefill graph `forward_batch` is the runner's
     # static copy, sliced to this batch.
-    view = _plan_extend_view(backend, runtime, ctx, ctx.forward_batch, stage)
+    view = (None if window is not None
+            else _plan_extend_view(backend, runtime, ctx, ctx.forward_batch, stage))
     if save_kv_cache:
         write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k, v,
                  *backend._kv_write_scales(layer))
+    if window is not None:
+        keys = window_extend_keys(runtime, backend.req_to_token_pool.req_to_token, ctx, stage)
+        return window_attention(backend.token_to_kv_pool, layer, q, ctx.positions, keys, window,
+                                max(ctx.lens))
     q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
     kv_cache = backend.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     if view.paged is not None:
@@ -319,7 +363,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     pos_args, kw = _decode_plan_args(backend)
     last_page_len = torch.ones(bs, dtype=torch.int32)
     meta = backend.forward_metadata
-    wrappers = [meta.decode_wrappers[0]]
+    wrappers = list(meta.decode_wrappers)  # stage 0: upstream's
     for s in stages:
         w = _decode_wrapper(backend, s)
         w.begin_forward(_host_indptr(kv_lens[s - 1]), indices[s - 1], last_page_len, *pos_args,
@@ -327,22 +371,57 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
         wrappers.append(w)
     staged = DecodeMetadata(wrappers, swa_out_cache_loc=meta.swa_out_cache_loc)
     staged.uniprefill = True  # one decode wrapper per stage
+    window = _model_window(backend)
+    if window is not None:
+        n = int(host_seq_lens(fb, bs).clamp(max=window + 1).sum())
+        _, indptr, indices, pos = window_views(
+            runtime.slots, backend.req_to_token_pool.req_to_token, fb.req_pool_indices,
+            fb.seq_lens, window, n, bs)
+        qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=indptr.device)
+        staged.uniprefill_windows = _window_lists(qo_indptr, indptr, indices, pos, stages)
     backend.forward_metadata = staged
     return result
 
 
+def _window_lists(qo_indptr, indptr, indices, pos, stages) -> dict:
+    """{stage: keys for `window_attention`} of a decode step, from `window_views`' rows."""
+    return {s: (qo_indptr, indptr[s - 1], indices[s - 1], pos[s - 1]) for s in stages}
+
+
+def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
+                   *args, **kwargs):
+    """AROUND `FlashInferAttnBackend.forward_decode`: a sliding-window layer after the first
+    drop attends over its stage's window list (`kernels.positional_attention`) when the step's
+    metadata holds those lists; every other layer is upstream's."""
+    lists = getattr(backend.forward_metadata, "uniprefill_windows", None)
+    runtime = get_runtime()
+    window = sliding_window(layer)
+    keys = (lists.get(runtime.stages.stage(layer.layer_id))
+            if lists and runtime is not None and window is not None else None)
+    if keys is None:
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    if save_kv_cache:
+        write_kv(backend.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v,
+                 *backend._kv_write_scales(layer))
+    return window_attention(backend.token_to_kv_pool, layer, q, forward_batch.positions, keys,
+                            window, 1)
+
+
 def get_wrapper_idx(original, backend, layer):
-    """AROUND `FlashInferAttnBackend._get_wrapper_idx`: the layer's stage under staged metadata."""
+    """AROUND `FlashInferAttnBackend._get_wrapper_idx`: under staged metadata, a layer after
+    the first drop runs its stage's wrapper."""
     if getattr(backend.forward_metadata, "uniprefill", False):
         runtime = get_runtime()
-        if runtime is not None:
-            return runtime.stages.stage(layer.layer_id)
+        stage = runtime.stages.stage(layer.layer_id) if runtime is not None else 0
+        if stage:  # after upstream's wrappers, one per stage
+            return backend.num_wrappers - 1 + stage
     return original(backend, layer)
 
 
 # ---- decode CUDA graphs ----------------------------------------------------------------------
 def init_cuda_graph_state(result, backend, *args, **kwargs):
-    """AFTER `FlashInferAttnBackend.init_cuda_graph_state`: per-stage static index buffers."""
+    """AFTER `FlashInferAttnBackend.init_cuda_graph_state`: per-stage static index buffers
+    (and window lists)."""
     runtime = active_runtime()
     if runtime is None or not ADAPTER.supported(backend):
         return result
@@ -351,6 +430,15 @@ def init_cuda_graph_state(result, backend, *args, **kwargs):
     num_stages = runtime.stages.num_drops
     st.graph_indptr = backend.kv_indptr[0].new_zeros((num_stages, backend.kv_indptr[0].numel()))
     st.graph_indices = base_indices.new_zeros((num_stages, base_indices.numel()))
+    window = _model_window(backend)
+    if window is not None:
+        max_bs = backend.kv_indptr[0].numel() - 1
+        entries = max_bs * (window + 1) + 1  # `compact`'s dump entry last
+        st.graph_windows = (st.graph_indptr.new_zeros((num_stages, max_bs + 1)),
+                            base_indices.new_zeros((num_stages, entries)),
+                            base_indices.new_zeros((num_stages, entries)))
+        st.graph_qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32,
+                                          device=base_indices.device)
     return result
 
 
@@ -359,7 +447,7 @@ def create_decode_wrappers(result, backend, *args, **kwargs):
     per stage after the first, over that stage's static buffers."""
     runtime = active_runtime()
     st = ADAPTER.state(backend)
-    if runtime is None or st.graph_indices is None or len(result) != 1:
+    if runtime is None or st.graph_indices is None or len(result) != backend.num_wrappers:
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
@@ -406,7 +494,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     bs = fb.batch_size
     wrappers = backend.decode_cuda_graph_metadata.get(bs)
     stages = stages_after_first(runtime)
-    if not wrappers or len(wrappers) != len(stages) + 1:
+    if not wrappers or len(wrappers) != backend.num_wrappers + len(stages):
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
@@ -433,7 +521,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         host_indptrs = [_host_indptr(host_seq_lens(fb, bs))] * len(stages)
     pos_args, kw = _decode_plan_args(backend)
     last_page_len = backend.kv_last_page_len[:bs]
-    for i, (s, w) in enumerate(zip(stages, wrappers[1:])):
+    for i, (s, w) in enumerate(zip(stages, wrappers[backend.num_wrappers:])):
         indptr = st.graph_indptr[s - 1][: bs + 1]
         total = int(host_indptrs[i][-1])
         if in_capture:
@@ -450,6 +538,16 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
                 fixed_split_size=None, disable_split_kv=backend.disable_cuda_graph_kv_split,
                 global_override_indptr_cpu=host_indptrs[i], **kw,
             )
+    window = _model_window(backend)
+    if window is not None:
+        # Every step: the captured window layers of the later stages read these lists.
+        indptr, indices, pos = st.graph_windows
+        window_views(runtime.slots, backend.req_to_token_pool.req_to_token, rpi, seq_lens,
+                     window, int(host_seq_lens(fb, bs).clamp(max=window + 1).sum()), raw_bs,
+                     outs=indices, indptr_outs=indptr, pos_outs=pos)
     if in_capture:
         backend.forward_metadata.uniprefill = True
+        if window is not None:
+            backend.forward_metadata.uniprefill_windows = _window_lists(
+                st.graph_qo_indptr[: bs + 1], indptr[:, : bs + 1], indices, pos, stages)
     return result
