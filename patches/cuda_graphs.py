@@ -31,11 +31,19 @@ def needs_eager_prefill(forward_batch) -> bool:
     return ctx.acts
 
 
+def _flashinfer_wrapper_pair(runner) -> bool:
+    """FlashInfer serving a sliding-window model (a wrapper pair): SGLang 0.5.17's breakable
+    prefill graph replays its padded rows through a ragged wrapper planned for the batch's own
+    rows (`q.shape[0] (3072) does not match qo_indptr[-1] (3000)`, Gemma 3): eager there."""
+    backend = getattr(runner.model_runner, "attn_backend", None)
+    return type(backend).__name__ == "FlashInferAttnBackend" and backend.num_wrappers > 1
+
+
 def _prefill_can_run_graph(original, runner, forward_batch, *args, **kwargs):
     from uniprefill_sglang.context import current
 
-    replay = not needs_eager_prefill(forward_batch) and original(runner, forward_batch, *args,
-                                                                 **kwargs)
+    replay = (not needs_eager_prefill(forward_batch) and not _flashinfer_wrapper_pair(runner)
+              and original(runner, forward_batch, *args, **kwargs))
     ctx = current()
     if ctx is not None and ctx.is_extend:
         ctx.report.prefill_graph = bool(replay)
