@@ -26,6 +26,8 @@ hooks are listed by its adapter (`StageViewAdapter.hooks()`) and registered here
   `init_cuda_graph_state` (AFTER): the same views, built on the device without host syncs.
 * `GDNAttnBackend.forward_extend` (AROUND): after a drop, a Gated DeltaNet layer runs its
   convolution and recurrence over the survivors (uniprefill_sglang/backends/linear_attention.py).
+* `ShortConvAttnBackend.conv_state_metadata` (AROUND): after a drop, a short-convolution layer
+  (LFM2) gets the handle describing the survivors (uniprefill_sglang/backends/short_conv.py).
 """
 
 from uniprefill_sglang.patches.hook_table import Hook

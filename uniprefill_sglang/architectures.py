@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
+SHORT_CONV = "conv"  # LFM2's gated short convolution layers
 
 # The paper's schedule for the 32-layer Llama-3.1-8B; other depths scale it proportionally.
 _REFERENCE_DEPTH = 32
@@ -29,7 +30,9 @@ _REFERENCE_DROP_LAYERS = (7, 11, 15, 19, 23, 27)
 class DecoderShape:
     # The norm called as norm(delta, residual) that adds the attention output to the residual
     # stream: the drop gathers both to the survivors there, so the layer's MLP runs on them.
-    residual_norm: str
+    # None where the layer adds the attention output itself: the next layer's entry gathers
+    # its inputs, and the drop layer's own MLP runs on every row.
+    residual_norm: Optional[str]
     # Layer keyword inputs computed once per forward from the positions, per name the inner
     # model's module that computes them as module(hidden_states, positions[None]) (Gemma 3's
     # RoPE cos/sin); recomputed for the survivors after a drop.
@@ -47,6 +50,11 @@ GEMMA3 = DecoderShape(
     residual_norm="pre_feedforward_layernorm",
     position_inputs=(("position_embeddings_global", "rotary_emb"),
                      ("position_embeddings_local", "rotary_emb_local")))
+
+# LFM2: operator_norm -> self_attn or conv -> "+ residual" in the layer's own code -> ffn_norm ->
+# feed_forward; called as layer(layer_id=, positions=, hidden_states=, residual=, forward_batch=),
+# where `residual` is the previous layer's input (non-None from the second layer on).
+LFM2 = DecoderShape(residual_norm=None, mlp="feed_forward")
 
 
 def scaled_reference_layers(num_layers: int, full_layers: Sequence[int] = ()) -> tuple:
@@ -111,6 +119,16 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     Architecture(frozenset({"Qwen3NextForCausalLM"}), LLAMA,
                  layer_kinds=frozenset({FULL_ATTENTION, LINEAR_ATTENTION}),
                  default_drop_layers=full_layers_from_layer(7, of_depth=48),
+                 recurrent_state=True),
+    # LFM2 (Liquid): gated short-convolution layers with a conv state per request, and
+    # full-attention layers. After a drop the conv layers run over the survivors in order
+    # (backends/short_conv.py). The paper has no LFM2 run: the default drops at every
+    # full-attention layer from 7/32 of the depth on, where the paper's Llama-3.1-8B schedule
+    # starts (LFM2-1.2B, 16 layers, attention at 2, 5, 8, 10, 12, 14: drops at 5 ... 14);
+    # not measured.
+    Architecture(frozenset({"Lfm2ForCausalLM"}), LFM2,
+                 layer_kinds=frozenset({FULL_ATTENTION, SHORT_CONV}),
+                 default_drop_layers=full_layers_from_layer(7, of_depth=32),
                  recurrent_state=True),
 )
 

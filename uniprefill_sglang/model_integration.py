@@ -209,8 +209,9 @@ def install(model: nn.Module, runtime, architecture) -> bool:
     # (layer, its attention) for every real layer (a pipeline-parallel placeholder has none).
     attending = [(layer, attn) for layer in layers
                  if (attn := _find_radix_attention(layer)) is not None]
-    if any(getattr(layer, shape.residual_norm, None) is None
-           for layer, attn in attending if attn.layer_id in drop_layers):
+    if shape.residual_norm is not None and any(
+            getattr(layer, shape.residual_norm, None) is None
+            for layer, attn in attending if attn.layer_id in drop_layers):
         return False
     for layer in layers:  # linear-attention layers too: they run on the survivors
         _wrap_layer_entry(layer, model.model, shape)
@@ -223,7 +224,8 @@ def install(model: nn.Module, runtime, architecture) -> bool:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]
             _wrap_drop_attention(attn, runtime, first_drop)
-            _wrap_residual_norm(getattr(layer, shape.residual_norm), runtime, first_drop)
+            if shape.residual_norm is not None:
+                _wrap_residual_norm(getattr(layer, shape.residual_norm), runtime, first_drop)
             if first_drop:
                 # Parking needs the state right after the drop layer's attention.
                 runtime.parking.enabled = True

@@ -1,13 +1,16 @@
 """Adapters that teach SGLang attention backends the per-stage (sparse) KV views, and the
-linear-attention backend to run on the survivors: one `common.StageViewAdapter` per backend."""
+linear-attention and short-convolution backends to run on the survivors: one
+`common.StageViewAdapter` per backend."""
 
 from typing import Optional, Tuple
 
 
 def adapters() -> Tuple:
-    from uniprefill_sglang.backends import flashinfer, linear_attention, torch_native, triton
+    from uniprefill_sglang.backends import (flashinfer, linear_attention, short_conv,
+                                            torch_native, triton)
 
-    return (flashinfer.ADAPTER, triton.ADAPTER, torch_native.ADAPTER, linear_attention.ADAPTER)
+    return (flashinfer.ADAPTER, triton.ADAPTER, torch_native.ADAPTER, linear_attention.ADAPTER,
+            short_conv.ADAPTER)
 
 
 def prepare_views(backend, runtime) -> None:
