@@ -1,8 +1,9 @@
 """Gemma-3-270M (a sliding-window hybrid), converted from its PyPI GGUF, on SGLang's CPU engine.
 
 Gemma 3 has five sliding-window layers (window 512) per global layer; Gemma-3-270M's global
-layers are 5, 11 and 17 of 18. UniPrefill drops at its global layers from 60% depth (11; 17 is
-the last layer) with top-p 0.975, and the later sliding-window layers attend to the survivors
+layers are 5, 11 and 17 of 18. UniPrefill drops by the shipped profile (profiles/gemma-3-270m.json,
+calibrated leave-families-out: layers 5 and 11, top-p 0.975, block 64), and the later
+sliding-window layers attend to the survivors
 within the window, measured in original positions. Two 2K-token retrieval prompts (four
 windows long), chunked prefill at 1024 (each parks its first chunk), the radix cache on, the
 staged KV layout: top-p 1.0 must answer token for token as dense; the default and a forced keep
@@ -75,11 +76,11 @@ def runs(gemma_path):
     return out
 
 
-def test_gemma3_defaults_drop_at_layer_11_with_top_p_0975(runs):
-    assert runs["server"]["uniprefill_top_p"] == 0.975
-    assert runs["state"]["drop_layers"] == [11]
+def test_gemma3_defaults_are_the_shipped_profile(runs):
+    # Layer 5 comes from the profile only (the architecture's own rule drops at 11).
+    assert runs["state"]["drop_layers"] == [5, 11]
     assert runs["state"]["kv_layout"] == "staged"
-    assert [p["layers"] for p in runs["state"]["kv_pools"]] == [12, 6]
+    assert [p["layers"] for p in runs["state"]["kv_pools"]] == [6, 6, 6]
 
 
 def test_top_p_1_answers_token_for_token_as_dense(runs):
