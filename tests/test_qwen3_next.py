@@ -19,13 +19,12 @@ survivors:
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from hybrid_workload import assert_nothing_left, random_prompts, run_hybrid_workload
 
 from uniprefill_sglang.backends import linear_attention_reference as ref
-from uniprefill_sglang.tools.cpu_engine import idle_state, make_cpu_engine, triton_interpreter
+from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
 
 CONFIG = dict(
     architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=512,
@@ -121,12 +120,7 @@ def model_dir(tmp_path_factory):
     return random_model(tmp_path_factory.mktemp("qwen3_next"), CONFIG)
 
 
-def _prompt(seed: int, n: int) -> list:
-    rng = random.Random(seed)
-    return [rng.randrange(3, CONFIG["vocab_size"]) for _ in range(n)]
-
-
-PROMPT, OTHER = _prompt(1, 300), _prompt(2, 220)
+PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
 
 def _engine(model_dir, **kwargs):
@@ -138,29 +132,8 @@ def _engine(model_dir, **kwargs):
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    out = {}
-    engine = _engine(model_dir, chunked_prefill_size=4096)
-    try:
-        out["server"] = engine.get_server_info()
-        out["dense"] = engine.generate(input_ids=PROMPT, sampling_params=dict(
-            GREEDY, custom_params={"uniprefill": False}))
-        out["full"] = engine.generate(input_ids=PROMPT, sampling_params=dict(
-            GREEDY, custom_params={"uniprefill_top_p": 1.0}))
-        out["forced"] = engine.generate(input_ids=PROMPT, sampling_params=FORCED)
-        out["other"] = engine.generate(input_ids=OTHER, sampling_params=FORCED)
-        out["batch"] = engine.generate(input_ids=[PROMPT, OTHER], sampling_params=FORCED)
-        out["state"] = idle_state(engine)
-    finally:
-        engine.shutdown()
-    engine = _engine(model_dir, chunked_prefill_size=128)  # 300 tokens: 128 + 128 + 44
-    try:
-        out["chunked"] = engine.generate(input_ids=PROMPT, sampling_params=FORCED)
-        out["chunked_full"] = engine.generate(input_ids=PROMPT, sampling_params=dict(
-            GREEDY, custom_params={"uniprefill_top_p": 1.0}))
-        out["chunked_state"] = idle_state(engine)
-    finally:
-        engine.shutdown()
-    return out
+    return run_hybrid_workload(lambda **kw: _engine(model_dir, **kw), PROMPT, OTHER, GREEDY,
+                               FORCED)
 
 
 def _last(out) -> dict:
@@ -194,8 +167,4 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
 
 
 def test_nothing_left_behind(runs):
-    for key in ("state", "chunked_state"):
-        state = runs[key]
-        assert state["parked_requests"] == 0
-        assert state["free_req_slots"] == state["req_slots"]
-        assert state["available_kv_tokens"] == state["max_total_num_tokens"]
+    assert_nothing_left(runs)
