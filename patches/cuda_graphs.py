@@ -14,7 +14,8 @@ step replays the graph, also where later layers read per-stage KV views (a spars
 the staged KV layout): SGLang's breakable graph runs attention eagerly between its captured
 segments, so the adapters' extend hooks plan and run the views there, from the drop context of
 the live forward (backends/). The answer is reported per request (`prefill_cuda_graph` in
-`meta_info["uniprefill"]`). Decode graphs need no bypass: the attention backends capture them
+`meta_info["uniprefill"]`). Where FlashInfer serves a sliding-window model every prefill runs
+eagerly (`_flashinfer_wrapper_pair`). Decode graphs need no bypass: the attention backends capture them
 with one view per stage (patches/attention_backends.py).
 """
 

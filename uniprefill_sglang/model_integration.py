@@ -6,7 +6,8 @@ stream, norm(delta, residual) -> mlp; architectures.py names that norm and the p
 inputs of each family. Three per-instance wrappers are enough:
   * every RadixAttention of a drop layer runs the drop right after its attention;
   * the drop layer's residual norm gathers hidden states and residual to the survivors, so that
-    layer's MLP already runs on them;
+    layer's MLP already runs on them (a family whose layer adds the attention output itself,
+    LFM2, has no such norm: the next layer's entry gathers);
   * every decoder layer, while the batch is compacted, gets the survivors' original positions
     and position inputs (RoPE cos/sin recomputed for them) and, as a fallback, gathers inputs
     that still have the pre-drop row count.
