@@ -15,8 +15,8 @@ the staged KV layout): SGLang's breakable graph runs attention eagerly between i
 segments, so the adapters' extend hooks plan and run the views there, from the drop context of
 the live forward (backends/). The answer is reported per request (`prefill_cuda_graph` in
 `meta_info["uniprefill"]`). Where FlashInfer serves a sliding-window model every prefill runs
-eagerly (`_flashinfer_wrapper_pair`). Decode graphs need no bypass: the attention backends capture them
-with one view per stage (patches/attention_backends.py).
+eagerly (`_flashinfer_wrapper_pair`). Decode graphs need no bypass: the attention backends
+capture them with one view per stage (patches/attention_backends.py).
 """
 
 from uniprefill_sglang.patches.hook_table import Hook

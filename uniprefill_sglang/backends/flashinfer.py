@@ -77,6 +77,9 @@ from uniprefill_sglang.runtime import get_runtime
 
 
 # ---- per-backend state -----------------------------------------------------------------------
+_UNREAD = object()
+
+
 class _State:
     def __init__(self):
         self.extend_wrappers: Dict[tuple, object] = {}  # (kind, stage) -> wrapper
@@ -92,6 +95,7 @@ class _State:
         # query offsets (0, 1, ..., max_bs).
         self.graph_windows: Optional[tuple] = None
         self.graph_qo_indptr: Optional[torch.Tensor] = None
+        self.model_window = _UNREAD  # `_model_window`, read once per backend
 
 
 class FlashInferAdapter(StageViewAdapter):
@@ -99,12 +103,13 @@ class FlashInferAdapter(StageViewAdapter):
     State = _State
 
     def unsupported_reason(self, backend):
-        if backend.num_wrappers != 1 and _model_window(backend) is None:
+        window = _model_window(backend)
+        if backend.num_wrappers != 1 and window is None:
             return "FlashInfer with a wrapper pair for cross-attention layers"
-        if _model_window(backend) is not None and not environ.FLASHINFER_SLIDING_WINDOW.get():
+        if window is not None and not environ.FLASHINFER_SLIDING_WINDOW.get():
             return (f"FlashInfer with sliding-window layers (experimental: "
                     f"{environ.FLASHINFER_SLIDING_WINDOW.name}=1)")
-        if _model_window(backend) is not None and (
+        if window is not None and (
                 backend.use_sliding_window_kv_pool
                 or backend.token_to_kv_pool.dtype != backend.indices_updater_decode.q_data_type):
             return ("FlashInfer with sliding-window layers on a sliding-window KV pool or a KV "
@@ -142,13 +147,23 @@ ADAPTER = FlashInferAdapter()
 
 def _model_window(backend) -> Optional[int]:
     """The sliding window of the model's local layers when upstream dispatches them to a
-    wrapper of their own, else None."""
-    from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
+    wrapper of their own, else None (read once: it is asked in every step)."""
+    st = ADAPTER.state(backend)
+    if st.model_window is _UNREAD:
+        from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
 
-    if backend.dispatch_reason != WrapperDispatch.SLIDING_WINDOW:
-        return None
-    window = backend.indices_updater_decode.sliding_window_size
-    return window if window is not None and window >= 0 else None
+        window = (backend.indices_updater_decode.sliding_window_size
+                  if backend.dispatch_reason == WrapperDispatch.SLIDING_WINDOW else None)
+        st.model_window = window if window is not None and window >= 0 else None
+    return st.model_window
+
+
+def _decode_window_views(backend, runtime, fb, bs: int, raw_bs: int, window: int, **outs):
+    """`kv_validity.window_views` of a decode batch's first `bs` rows (the window spans' total
+    from the host's sequence lengths)."""
+    n = int(host_seq_lens(fb, bs).clamp(max=window + 1).sum())
+    return window_views(runtime.slots, backend.req_to_token_pool.req_to_token,
+                        fb.req_pool_indices[:bs], fb.seq_lens[:bs], window, n, raw_bs, **outs)
 
 
 # ---- extend ----------------------------------------------------------------------------------
@@ -373,10 +388,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     staged.uniprefill = True  # one decode wrapper per stage
     window = _model_window(backend)
     if window is not None:
-        n = int(host_seq_lens(fb, bs).clamp(max=window + 1).sum())
-        _, indptr, indices, pos = window_views(
-            runtime.slots, backend.req_to_token_pool.req_to_token, fb.req_pool_indices,
-            fb.seq_lens, window, n, bs)
+        _, indptr, indices, pos = _decode_window_views(backend, runtime, fb, bs, bs, window)
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=indptr.device)
         staged.uniprefill_windows = _window_lists(qo_indptr, indptr, indices, pos, stages)
     backend.forward_metadata = staged
@@ -542,9 +554,8 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     if window is not None:
         # Every step: the captured window layers of the later stages read these lists.
         indptr, indices, pos = st.graph_windows
-        window_views(runtime.slots, backend.req_to_token_pool.req_to_token, rpi, seq_lens,
-                     window, int(host_seq_lens(fb, bs).clamp(max=window + 1).sum()), raw_bs,
-                     outs=indices, indptr_outs=indptr, pos_outs=pos)
+        _decode_window_views(backend, runtime, fb, bs, raw_bs, window, outs=indices,
+                             indptr_outs=indptr, pos_outs=pos)
     if in_capture:
         backend.forward_metadata.uniprefill = True
         if window is not None:
