@@ -13,6 +13,7 @@ shuts it down and returns the outputs; the tests compare them.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import time
@@ -281,6 +282,9 @@ def chunked_run(smollm2_path, fresh_prefix_run):
         run["logprobs"] = engine.generate(LONG_PROMPTS[0], GREEDY, return_logprob=True,
                                           logprob_start_len=0)
         flush_cache(engine)
+        run["output_logprobs"] = engine.generate(LONG_PROMPTS[0], GREEDY, return_logprob=True,
+                                                 top_logprobs_num=2)
+        flush_cache(engine)
         mixed_before = _pool_state(engine)["mixed_forwards"]
         run["mixed_short"], run["mixed_long"] = _run_together(
             engine, SHORT_PROMPT, DECODE_48, LONG_PROMPTS[1], GREEDY)
@@ -324,8 +328,26 @@ def test_mixed_prefill_decode_batch_matches_each_alone(chunked_run, dense_run):
 def test_input_logprobs_fall_back_to_dense(chunked_run):
     out = chunked_run["logprobs"]
     reasons = {e["reason"] for e in out["meta_info"][META]}
-    assert reasons == {"logprobs requested in the batch"}, reasons
+    assert reasons == {"input logprobs requested in the batch"}, reasons
     assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]
+
+
+def test_output_logprobs_keep_uniprefill(chunked_run):
+    # Logprobs of the generated tokens only (OpenAI's `logprobs`) come from the last row, which
+    # the drop keeps: the same selection and tokens as without them, and a greedy token is its
+    # step's most likely one.
+    out, plain = chunked_run["output_logprobs"], chunked_run["alone"][0]
+    assert _kept(out) == _kept(plain) and _kept_positions(out) == _kept_positions(plain)
+    assert out["meta_info"][META][-1]["enabled"], out["meta_info"][META][-1]
+    assert out["output_ids"] == plain["output_ids"]
+    meta = out["meta_info"]
+    assert not meta.get("input_token_logprobs")
+    lps = meta["output_token_logprobs"]
+    assert [tok for _, tok, _ in lps] == out["output_ids"]
+    for (lp, tok, _), top in zip(lps, meta["output_top_logprobs"]):
+        assert math.isfinite(lp) and lp <= 0.0
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp, abs=1e-5)
+        assert top[0][0] >= top[1][0]
 
 
 # ---- the parking budget: past it, the documented fallback -------------------------------------

@@ -186,15 +186,28 @@ def _cached_len(req, radix: bool) -> int:
     return versions.cache_protected_len(req) if radix else 0
 
 
+def _asks_input_logprobs(batch, extend_lens: list) -> bool:
+    """Does a request of this step want log-probabilities of its prompt tokens? SGLang then
+    gathers hidden states at every such token's original row. Output logprobs alone (OpenAI's
+    `logprobs`, SGLang's `return_logprob` with the default start) come from each request's last
+    row, which every drop keeps; SGLang's logits processor takes its last-row path for them."""
+    if not getattr(batch, "return_logprob", False):
+        return False
+    starts = getattr(batch, "extend_logprob_start_lens", None)
+    if starts is None or len(starts) < len(extend_lens):
+        return True  # not known: assume the worst
+    return any(start < n for start, n in zip(starts, extend_lens))
+
+
 def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str]) -> BatchPlan:
     """Decisions for every request of an extend/mixed ScheduleBatch, in batch order."""
     reqs = batch.reqs
     extend_lens = list(batch.extend_lens or [])
     decoding = set(id(r) for r in (getattr(batch, "decoding_reqs", None) or []))
     batch_reason = None
-    if getattr(batch, "return_logprob", False):
+    if _asks_input_logprobs(batch, extend_lens):
         # Input logprobs need every position's hidden state, for the whole batch.
-        batch_reason = "logprobs requested in the batch"
+        batch_reason = "input logprobs requested in the batch"
     radix = _is_radix_tree(getattr(batch, "tree_cache", None))
     decisions = []
     for i, req in enumerate(reqs):
