@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from uniprefill_sglang.architectures import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
+from uniprefill_sglang.architectures import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    SHORT_CONV,
+    SLIDING_ATTENTION,
+)
 from uniprefill_sglang.flops import (
     FlopShape,
     attended_pairs,
@@ -35,6 +40,8 @@ def _prefill_reference(kept: list, drop_layers: list, shape: FlopShape) -> float
         n = len(rows)
         if kind == LINEAR_ATTENTION:
             total += 2 * shape.linear_params * n + shape.linear_state_flops * n
+        elif kind == SHORT_CONV:
+            total += 2 * shape.conv_params * n + shape.conv_mix_flops * n
         else:
             window = shape.sliding_window if kind == SLIDING_ATTENTION else None
             total += 2 * shape.attention_params * n + \
@@ -58,14 +65,15 @@ def _random_shape(rng, kinds, window=0) -> FlopShape:
     return FlopShape(num_heads=rng.choice((2, 8)), head_dim=rng.choice((16, 64)),
                      attention_params=rng.randrange(1, 10**6), mlp_params=rng.randrange(1, 10**6),
                      layer_kinds=tuple(kinds), sliding_window=window,
-                     linear_params=rng.randrange(1, 10**6), linear_state_flops=rng.randrange(1, 10**4))
+                     linear_params=rng.randrange(1, 10**6), linear_state_flops=rng.randrange(1, 10**4),
+                     conv_params=rng.randrange(1, 10**6), conv_mix_flops=rng.randrange(1, 10**4))
 
 
 def test_prefill_flops_equals_the_count_dense_and_after_drops():
     rng = random.Random()
     for _ in range(6):
         depth = rng.randrange(6, 9)
-        kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION))
+        kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, SHORT_CONV))
                  for _ in range(depth)]
         shape = _random_shape(rng, kinds, window=rng.randrange(8, 64))
         prompt = rng.randrange(150, 300)
@@ -115,3 +123,24 @@ def test_shapes_from_configs():
     assert shape.mlp_params == 3 * 256 * (2 * 128 + 256)
     assert shape.attention_params == 256 * (2 * 4 * 64 + 2 * 2 * 64) + 4 * 64 * 256
     assert shape.linear_state_flops == 4 * 4 * 32 * 32
+
+
+def test_lfm2_shape_prices_its_conv_layers_and_sglang_mlp_width():
+    # LFM2-1.2B as config.json: SGLang's Lfm2MLP runs int(2 * 12288 / 3) = 8192 wide (a
+    # multiple of 256), and each conv layer projects to 3h and back (4h^2 parameters) and mixes
+    # with a 3-tap depthwise kernel between two gates.
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "models" /
+                      "lfm2-1.2b" / "config.json").read_text())
+    shape = FlopShape.from_config(cfg)
+    h = 2048
+    assert shape.mlp_params == 3 * h * 8192
+    assert shape.conv_params == 4 * h * h and shape.conv_mix_flops == 2 * h * 4
+    assert [i for i, k in enumerate(shape.layer_kinds) if k == FULL_ATTENTION] == \
+        [2, 5, 8, 10, 12, 14]
+    # A conv layer costs its projections, far less than attention over a long prompt.
+    n = 32768
+    assert layer_flops(shape, SHORT_CONV, n, n) == 2.0 * 4 * h * h * n + 2 * h * 4 * n
+    assert layer_flops(shape, SHORT_CONV, n, n) < layer_flops(shape, FULL_ATTENTION, n, n) / 4

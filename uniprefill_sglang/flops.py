@@ -5,8 +5,9 @@ tokens actually kept (`kept[s]`: the rows stage s runs on; `kept[0]` the prompt)
 
 * the token mixer on the rows entering the layer: its projections (2 FLOPs per parameter per
   row) plus, by kind, causal attention over all earlier rows (full attention), over the rows
-  within its window (sliding-window attention, the window measured in original positions), or a
-  recurrent state update and read-out per row (linear attention, e.g. Gated DeltaNet);
+  within its window (sliding-window attention, the window measured in original positions), a
+  recurrent state update and read-out per row (linear attention, e.g. Gated DeltaNet), or a
+  short depthwise convolution and its two gates per row (LFM2's gated short convolution);
 * the MLP, or the experts a token is routed to, on the rows leaving it (at a drop layer the
   survivors: the drop comes right after the layer's attention).
 
@@ -23,6 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 from uniprefill_sglang.architectures import (
     LINEAR_ATTENTION,
+    SHORT_CONV,
     SLIDING_ATTENTION,
     config_layer_types,
     layer_kinds,
@@ -40,6 +42,8 @@ class FlopShape:
     sliding_window: int = 0  # a query sees keys at most this many positions back
     linear_params: int = 0  # projections of a linear-attention layer
     linear_state_flops: int = 0  # its state update and read-out, per token
+    conv_params: int = 0  # projections of a gated short-convolution layer (LFM2)
+    conv_mix_flops: int = 0  # its depthwise convolution and gates, per token
 
     @property
     def num_layers(self) -> int:
@@ -68,7 +72,9 @@ class FlopShape:
             mlp_params=3 * h * _mlp_width(get),
             layer_kinds=layer_kinds(config_layer_types(cfg), get("num_hidden_layers")),
             sliding_window=get("sliding_window") or 0,
-            linear_params=_linear_params(get, h), linear_state_flops=_linear_state_flops(get))
+            linear_params=_linear_params(get, h), linear_state_flops=_linear_state_flops(get),
+            conv_params=4 * h * h if get("conv_L_cache") else 0,
+            conv_mix_flops=2 * h * (get("conv_L_cache") + 1) if get("conv_L_cache") else 0)
 
 
 def _mlp_width(get) -> int:
@@ -78,7 +84,13 @@ def _mlp_width(get) -> int:
     if experts and get("moe_intermediate_size"):
         return experts * get("moe_intermediate_size") + (
             get("shared_expert_intermediate_size") or 0)
-    return get("intermediate_size")
+    width = get("intermediate_size")
+    if get("block_auto_adjust_ff_dim"):  # LFM2 sizes its SwiGLU as SGLang's Lfm2MLP does
+        width = int(2 * width / 3)
+        if get("block_ffn_dim_multiplier") is not None:
+            m = get("block_multiple_of")
+            width = m * -(-int(get("block_ffn_dim_multiplier") * width) // m)
+    return width
 
 
 def _linear_params(get, h: int) -> int:
@@ -109,6 +121,9 @@ def layer_flops(shape: FlopShape, kind: str, n: int, prompt_len: int) -> float:
     """The token mixer of one layer of `kind` on n rows of a prompt of `prompt_len` tokens."""
     if kind == LINEAR_ATTENTION:
         return 2.0 * shape.linear_params * n + shape.linear_state_flops * n
+    if kind == SHORT_CONV:
+        # in_proj to (B, C, x), out_proj back; B*x, the kernel's taps and C*y per channel.
+        return 2.0 * shape.conv_params * n + shape.conv_mix_flops * n
     window = None
     if kind == SLIDING_ATTENTION and shape.sliding_window:
         window = round((shape.sliding_window + 1) * n / max(prompt_len, 1))
