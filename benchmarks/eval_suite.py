@@ -157,7 +157,8 @@ def _result(chunk: Optional[dict], ttft: Optional[float], e2e: float) -> dict:
     return {"text": chunk.get("text", ""), "ttft_s": ttft, "e2e_s": e2e,
             "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"),
             "enabled": up.get("enabled"), "reason": up.get("reason"),
-            "kept_tokens": up.get("kept_tokens"), "prefix": up.get("prefix")}
+            "kept_tokens": up.get("kept_tokens"), "dropped_mass": up.get("dropped_mass"),
+            "prefix": up.get("prefix")}
 
 
 def _use_cpu_engine() -> bool:

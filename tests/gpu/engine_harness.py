@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import pytest
 from uniprefill_sglang.tools.cpu_engine import idle_state
@@ -103,12 +103,15 @@ def run_engines(script: str, names: Iterable[str], model_dir: str, tmp: Path, lo
 
 
 class EngineResults:
-    """Engine results by name; a test touching an engine that failed fails with its log."""
+    """Engine results by name; a test touching an engine that failed fails with its log, one
+    touching an engine that did not run (`skipped`: name -> why) is skipped saying why."""
 
-    def __init__(self, out: dict, failed: dict):
-        self.out, self.failed = out, failed
+    def __init__(self, out: dict, failed: dict, skipped: Optional[dict] = None):
+        self.out, self.failed, self.skipped = out, failed, skipped or {}
 
     def __getitem__(self, name: str) -> dict:
+        if name in self.skipped:
+            pytest.skip(f"engine {name}: {self.skipped[name]}")
         if name in self.failed:
             pytest.fail(self.failed[name])
         res = self.out[name]
@@ -148,38 +151,60 @@ def random_prompts(vocab_size: int, lengths=(3000, 1900)) -> list:
 
 
 def forced_keep_workload(engine, prompt: list, other: list, greedy: dict = GREEDY,
-                         forced: dict = FORCED) -> dict:
+                         forced: dict = FORCED, top2: bool = False) -> dict:
     """`prompt` dense (UniPrefill off per request), at top-p 1.0 and at a forced keep; `other`
     at the forced keep; both batched; then the idle state and whether decode CUDA graphs were
-    on."""
+    on. With `top2`, each output token's two largest log-probabilities too (how close a greedy
+    choice was, where two kernels' bfloat16 rounding may flip it)."""
+    logprob_args = dict(return_logprob=True, top_logprobs_num=2) if top2 else {}
+
     def record(out) -> dict:
-        return {"output_ids": out["output_ids"], "uniprefill": out["meta_info"]["uniprefill"]}
+        rec = {"output_ids": out["output_ids"], "uniprefill": out["meta_info"]["uniprefill"]}
+        if top2:
+            rec["top2"] = [[lp for lp, *_ in step[:2]]
+                           for step in out["meta_info"]["output_top_logprobs"]]
+        return rec
 
     def one(ids, params):
-        return record(engine.generate(input_ids=ids, sampling_params=params))
+        return record(engine.generate(input_ids=ids, sampling_params=params, **logprob_args))
 
     res = {"dense": one(prompt, dict(greedy, custom_params={"uniprefill": False})),
            "full": one(prompt, dict(greedy, custom_params={"uniprefill_top_p": 1.0})),
            "forced": one(prompt, forced), "other": one(other, forced),
            "batch": [record(o) for o in engine.generate(input_ids=[prompt, other],
-                                                        sampling_params=forced)]}
+                                                        sampling_params=forced, **logprob_args)]}
     res["state"] = idle_state(engine)
     res["cuda_graph"] = not engine.get_server_info().get("disable_cuda_graph", True)
     return res
 
 
+def selected_engines(engines: dict, unsupported: Optional[dict] = None) -> tuple:
+    """(names to run, skipped: name -> why): every engine but those the model's SGLang does
+    not serve (`unsupported`: name -> why) and, when UNIPREFILL_GPU_TEST_ENGINES names some
+    (a comma list), those it does not name."""
+    skipped = dict(unsupported or {})
+    chosen = os.environ.get("UNIPREFILL_GPU_TEST_ENGINES")
+    if chosen:
+        wanted = set(chosen.split(","))
+        skipped.update({n: "not in UNIPREFILL_GPU_TEST_ENGINES" for n in engines
+                        if n not in wanted and n not in skipped})
+    return [n for n in engines if n not in skipped], skipped
+
+
 def random_model_results(script: str, config: dict, engines: dict, timeout_s: float,
-                         prefix: str):
-    """A module fixture's body: a random-weight model of `config` in a temporary folder, every
-    engine of `engines` run on it by `script`; yields their EngineResults (skips without CUDA)."""
+                         prefix: str, unsupported: Optional[dict] = None):
+    """A module fixture's body: a random-weight model of `config` in a temporary folder, the
+    engines of `engines` that `selected_engines` picks run on it by `script`; yields their
+    EngineResults (skips without CUDA)."""
     import tempfile
 
     if cuda_device_count() < 1:
         pytest.skip("CUDA not available")
     from uniprefill_sglang.tools.model_zoo import random_model
 
+    names, skipped = selected_engines(engines, unsupported)
     with tempfile.TemporaryDirectory(prefix=f"uniprefill-{prefix}") as tmp:
         tmp = Path(tmp)
         model_dir = random_model(tmp / "model", config)
-        yield EngineResults(*run_engines(script, engines, model_dir, tmp, log_dir_or(tmp),
-                                         timeout_s, prefix=prefix))
+        yield EngineResults(*run_engines(script, names, model_dir, tmp, log_dir_or(tmp),
+                                         timeout_s, prefix=prefix), skipped)

@@ -11,16 +11,29 @@ the GPU). UniPrefill drops at layers 3 and 6 with a forced keep, so the sliding 
 7 attend to survivors whose window is counted in original positions: on Triton through
 `kernels.positional_attention` in prefill and the per-stage window lists in decode (CUDA
 graphs on), on FlashInfer through `kernels.positional_attention` in both (its full layers
-through per-stage wrappers), on torch_native through its masks (the engine tests/test_gemma3_reference.py holds
-to a float64 reference on the CPU). Checked, under the staged and the shared KV layouts:
+through per-stage wrappers), on torch_native through its masks (the engine
+tests/test_gemma3_reference.py holds to a float64 reference on the CPU). Every engine reports a
+digest of its kept positions per drop (UNIPREFILL_REPORT_KEPT=1). Checked, under the staged and
+the shared KV layouts:
 
 * top-p 1.0 is token-identical to dense in the same engine;
-* a forced keep gives the same kept counts and tokens unchunked, chunked at 512 (the earlier
-  chunks park and rejoin) and batched with another prompt;
-* Triton and FlashInfer keep what torch_native keeps and answer as it does (the selection and
-  the sliding layers computed by different kernels: equal answers say the window lists are the
-  model's);
+* a forced keep keeps the same positions and answers alike batched with another prompt;
+* Triton keeps exactly what torch_native keeps at both drops, unchunked and chunked at 512
+  (the earlier chunks park and rejoin). The second drop scores hidden states that went through
+  the sliding layers 4 and 5 after the first drop, so equal digests there say Triton's window
+  lists are the model's, up to rounding that flips no block;
 * nothing is left parked and no slot leaks.
+
+FlashInfer is held to counts, not positions: its stock layers before the first drop round
+otherwise in bfloat16 than torch_native's and Triton's, and this random model has near-tied
+blocks. On the H200 (2026-12-02) FlashInfer unchunked kept other positions than torch_native at
+the first drop (the same counts), chunked at 512 a block more or less than unchunked, and
+batched another block (the other prompt's chunks start elsewhere). The selection at the first
+drop is computed from stock SGLang layers only, so this is rounding, not the window code; but
+it leaves FlashInfer's sliding layers after a drop without an exact GPU check, which is why
+they stay behind UNIPREFILL_FLASHINFER_SLIDING_WINDOW. The greedy tokens are compared too, but
+this model answers one token with probability ~1 whatever is dropped (its runner-up sits 26-28
+nats lower), so they catch a crash or a lost request only.
 """
 
 from __future__ import annotations
@@ -66,6 +79,9 @@ ENGINES = {
                       uniprefill_kv_layout="shared"),
 }
 GPU_BACKENDS = [n for n in ENGINES if not n.startswith("tn_")]
+# FlashInfer engines whose kept counts may move by a block with the chunk boundaries.
+ROUNDS_BY_CHUNKING = {"fi_chunked", "fi_shared"}
+BLOCK = ENGINE_KWARGS["uniprefill_block_size"]
 TIMEOUT_S = 420
 
 
@@ -73,7 +89,7 @@ PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
 
 def run_workload(engine) -> dict:
-    return forced_keep_workload(engine, PROMPT, OTHER)
+    return forced_keep_workload(engine, PROMPT, OTHER, top2=True)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +109,14 @@ def test_top_p_one_is_token_identical_to_dense(results, name):
     assert res["full"]["output_ids"] == res["dense"]["output_ids"]
 
 
+def _digest(rec) -> list:
+    return _meta(rec)["kept_digest"]
+
+
+def _within_a_block(got: list, want: list) -> bool:
+    return len(got) == len(want) and all(abs(g - w) <= BLOCK for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_forced_keep_drops_and_batches_alike(results, name):
     res = results[name]
@@ -100,21 +124,29 @@ def test_forced_keep_drops_and_batches_alike(results, name):
     assert meta["enabled"] and meta["reason"] is None, meta
     kept = meta["kept_tokens"]
     assert kept[0] == len(PROMPT) and kept[-1] < 0.25 * len(PROMPT), kept
-    assert [_meta(o)["kept_tokens"] for o in res["batch"]] == \
-        [kept, _meta(res["other"])["kept_tokens"]]
-    assert [o["output_ids"] for o in res["batch"]] == \
-        [res["forced"]["output_ids"], res["other"]["output_ids"]]
+    alone = [res["forced"], res["other"]]
+    assert [o["output_ids"] for o in res["batch"]] == [o["output_ids"] for o in alone]
+    if name in ROUNDS_BY_CHUNKING:
+        # Batched, the other prompt's chunks start elsewhere (see the module's docstring).
+        for both, one in zip(res["batch"], alone):
+            assert _within_a_block(_meta(both)["kept_tokens"], _meta(one)["kept_tokens"])
+    else:
+        assert [_digest(o) for o in res["batch"]] == [_digest(o) for o in alone]
 
 
 @pytest.mark.parametrize("name", GPU_BACKENDS)
-def test_gpu_backends_answer_as_torch_native(results, name):
+def test_gpu_backends_keep_what_torch_native_keeps(results, name):
     want, res = results["tn_whole"], results[name]
     assert res["cuda_graph"]
     for key in ("dense", "forced", "other"):
         assert res[key]["output_ids"] == want[key]["output_ids"], key
-    # A forced keep's final chunk reports the whole prompt (its parked chunks rejoined).
     for key in ("forced", "other"):
-        assert _meta(res[key])["kept_tokens"] == _meta(want[key])["kept_tokens"], key
+        # A forced keep's final chunk reports the whole prompt (its parked chunks rejoined).
+        if name.startswith("fi_"):
+            assert _within_a_block(_meta(res[key])["kept_tokens"],
+                                   _meta(want[key])["kept_tokens"]), key
+        else:
+            assert _digest(res[key]) == _digest(want[key]), key
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -129,5 +161,6 @@ if __name__ == "__main__":
     import os
 
     os.environ["UNIPREFILL_FLASHINFER_SLIDING_WINDOW"] = "1"  # the fi_* engines' drops
+    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"  # kept positions' digests, compared across engines
     name, model_dir, out_path = sys.argv[1:4]
     serve_and_record(name, ENGINES, ENGINE_KWARGS, model_dir, out_path, run_workload, 35000)
