@@ -140,18 +140,21 @@ def _last(out) -> dict:
     return out["meta_info"]["uniprefill"][-1]
 
 
+@pytest.mark.engine
 def test_served_without_radix_cache_on_the_shared_layout(runs):
     assert runs["server"]["disable_radix_cache"] is True
     assert runs["state"]["drop_layers"] == [1]
     assert runs["state"]["kv_layout"] == "shared"
 
 
+@pytest.mark.engine
 def test_top_p_one_is_token_identical_to_dense(runs):
     assert runs["full"]["output_ids"] == runs["dense"]["output_ids"]
     assert _last(runs["full"])["kept_tokens"] == [len(PROMPT)] * 2
     assert runs["chunked_full"]["output_ids"] == runs["dense"]["output_ids"]
 
 
+@pytest.mark.engine
 def test_forced_drop_answers_the_same_chunked_and_batched(runs):
     kept = _last(runs["forced"])["kept_tokens"]
     assert _last(runs["forced"])["reason"] is None
@@ -166,5 +169,6 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
         [kept, _last(runs["other"])["kept_tokens"]]
 
 
+@pytest.mark.engine
 def test_nothing_left_behind(runs):
     assert_nothing_left(runs)

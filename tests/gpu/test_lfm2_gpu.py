@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+pytest.register_assert_rewrite("hybrid_gpu")  # its checks report values when they fail
 
 from engine_harness import random_model_results, serve_and_record  # noqa: E402
 from hybrid_gpu import (ENGINES, TIMEOUT_S, VOCAB_SIZE, engine_kwargs,  # noqa: E402,F401
