@@ -17,7 +17,7 @@ UniPrefill a slot's KV may exist in the early layers only.
     from the device before the request's next decode (one sync, only when slots were swapped).
 * `insert` (AFTER): records how much of the key the tree already held, for the hook above.
 * `kv_cache_builder.build_kv_cache` (AFTER): these hooks only hold where the scheduler's prefix
-  cache is the class they patch (`hooked_tree_class`), or shares nothing (disabled). SGLang
+  cache is a class they patch (`hooked_tree_classes`), or shares nothing (disabled). SGLang
   0.5.17 builds another tree under `SGLANG_ENABLE_UNIFIED_RADIX_TREE` or
   `SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`: there parked chunks and dropped KV would be shared
   unchecked, so a server that drops refuses to start, naming the cache it got.
@@ -109,23 +109,36 @@ def _check_tree_cache(result, *args, **kwargs):
     cache = getattr(result, "tree_cache", None)
     if runtime is None or not runtime.has_schedule or cache is None or cache.disable:
         return result  # no tree (SGLang 0.5.17's ChunkCache) or a disabled one: nothing shared
-    hooked = hooked_tree_class()
-    if isinstance(cache, hooked):
+    hooked = hooked_tree_classes()
+    if type(cache) in hooked and _serves(cache, hooked):
         return result
     raise RuntimeError(
         f"UniPrefill: SGLang {versions.installed()} built a {type(cache).__name__} prefix "
-        f"cache, while UniPrefill's prefix-cache hooks are on {hooked.__name__} "
+        f"cache, while UniPrefill's prefix-cache hooks are on "
+        f"{', '.join(c.__name__ for c in hooked)} "
         "(patches/radix_cache.py): parked chunks and "
         "dropped KV would be shared unchecked. Start with --disable-radix-cache, or without "
         "SGLANG_ENABLE_UNIFIED_RADIX_TREE / SGLANG_EXPERIMENTAL_CPP_RADIX_TREE")
 
 
+def _serves(cache, hooked: tuple) -> bool:
+    """Where SGLang 0.5.17 builds its unified tree (hooked beside RadixCache there), only a
+    model with a recurrent state under UNIPREFILL_HYBRID_PREFIX_CACHE is served by it: for
+    other models it is built only on request, and has not been tested under the hooks."""
+    from uniprefill_sglang import environ
+
+    if type(cache).__name__ != "UnifiedRadixCache" or len(hooked) == 1:
+        return True
+    return environ.HYBRID_PREFIX_CACHE.get() and cache.supports_mamba()
+
+
 @functools.lru_cache(maxsize=None)
-def hooked_tree_class() -> type:
-    """The prefix cache class these hooks patch on the installed SGLang (resolved once: every
+def hooked_tree_classes() -> tuple:
+    """The prefix cache classes these hooks patch on the installed SGLang (resolved once: every
     prefill batch's plan asks, request_plan.py)."""
-    (tree,) = {h.target.rsplit(".", 1)[0] for h in HOOKS if h.target != _BUILD and h.applies()}
-    return resolve_target(tree)
+    trees = sorted({h.target.rsplit(".", 1)[0] for h in HOOKS
+                    if h.target != _BUILD and h.applies()})
+    return tuple(resolve_target(tree) for tree in trees)
 
 
 _BUILD = "sglang.srt.mem_cache.kv_cache_builder.build_kv_cache"
@@ -139,6 +152,18 @@ HOOKS = (
          "a chunk parked at the first drop is not shared; swapped slots mark stale KV gaps",
          sglang="<0.5.18"),
     Hook(f"{_TARGET}.cache_finished_req", "after", _release_private_prefix,
+         "free the private prefix slots of a request that re-selected over its prefix",
+         sglang="<0.5.18"),
+    # SGLang 0.5.17 builds a UnifiedRadixCache (with a recurrent-state component) for models
+    # with a recurrent state; served only under UNIPREFILL_HYBRID_PREFIX_CACHE
+    # (`_check_tree_cache`). Its API there is RadixCache's: the same rules.
+    Hook(f"{_UNIFIED}.insert", "after", _record_insert,
+         "how much of the key the tree already held (read by cache_unfinished_req)",
+         sglang="<0.5.18"),
+    Hook(f"{_UNIFIED}.cache_unfinished_req", "around", _cache_unfinished_req,
+         "a chunk parked at the first drop is not shared (nor its recurrent state, whose later "
+         "layers have not seen it); swapped slots mark stale KV gaps", sglang="<0.5.18"),
+    Hook(f"{_UNIFIED}.cache_finished_req", "after", _release_private_prefix,
          "free the private prefix slots of a request that re-selected over its prefix",
          sglang="<0.5.18"),
     # SGLang 0.5.23 builds a UnifiedRadixCache for every model; the same rules on its API.

@@ -93,10 +93,11 @@ class Architecture:
     # Its default top-p where it differs from config.DEFAULT_TOP_P (None: the general default).
     top_p: Optional[float] = None
     # Layers with a recurrent state (linear attention). SGLang caches that state per prefix
-    # (MambaRadixCache), and after a drop a later layer's state covers the survivors only, which
-    # the prefix policies (prefix_reuse.py) do not model: UniPrefill turns the radix cache off
-    # for such a family. Its KV pool holds the full-attention layers only: it keeps the shared
-    # KV layout.
+    # (its radix cache's state component), and after a drop a later layer's state covers the survivors only, which
+    # re-selection over a cached prefix (prefix_reuse.py) cannot recompute: UniPrefill turns the
+    # radix cache off for such a family, unless UNIPREFILL_HYBRID_PREFIX_CACHE keeps it with
+    # reuse only (server_args.py). Its KV pool holds the full-attention layers only: it keeps
+    # the shared KV layout.
     recurrent_state: bool = False
 
 

@@ -74,9 +74,17 @@ TEST_FAULT = Choice(
 FLASHINFER_SLIDING_WINDOW = Flag(
     "UNIPREFILL_FLASHINFER_SLIDING_WINDOW",
     "experimental: FlashInfer serves the drops of a sliding-window model (Gemma 3), its window "
-    "layers after a drop through kernels.positional_attention; on an H200 a prompt prefilled in "
-    "one step answers as torch_native does, a chunked one (parked rows rejoining) does not yet, "
-    "so without it such a model runs dense on FlashInfer")
+    "layers after a drop through kernels.positional_attention; on an H200 its selections match "
+    "torch_native's in counts only (its stock layers round otherwise), so its window layers "
+    "after a drop have no exact GPU check yet; without it such a model runs dense on FlashInfer")
+HYBRID_PREFIX_CACHE = Flag(
+    "UNIPREFILL_HYBRID_PREFIX_CACHE",
+    "experimental: a family with a recurrent state (Qwen3-Next, LFM2) keeps SGLang's radix "
+    "cache (on SGLang 0.5.17 a UnifiedRadixCache with a state component, no_buffer strategy): a "
+    "cached prefix's recurrent state is the "
+    "state over the survivors its KV holds, and a request reuses both (reuse-sparse; nothing is "
+    "re-selected, so the prefix checkpoint is refused); tested on the CPU engine with "
+    "Qwen3-Next on SGLang 0.5.17; without it such a family runs with the radix cache off")
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")
@@ -88,4 +96,5 @@ CPU_ENGINE = Text(
     "the CPU engine when CUDA is absent)")
 
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
-       FLASHINFER_SLIDING_WINDOW, CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)
+       FLASHINFER_SLIDING_WINDOW, HYBRID_PREFIX_CACHE, CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT,
+       CPU_ENGINE)

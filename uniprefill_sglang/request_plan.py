@@ -176,9 +176,9 @@ def _max_new_tokens(req) -> Optional[int]:
 
 def _is_radix_tree(tree_cache) -> bool:
     """Only the tree patches/radix_cache.py hooks holds prefixes UniPrefill re-selects."""
-    from uniprefill_sglang.patches.radix_cache import hooked_tree_class
+    from uniprefill_sglang.patches.radix_cache import hooked_tree_classes
 
-    return type(tree_cache) is hooked_tree_class() and not tree_cache.disable
+    return type(tree_cache) in hooked_tree_classes() and not tree_cache.disable
 
 
 def _cached_len(req, radix: bool) -> int:

@@ -36,6 +36,16 @@ def get_runtime() -> Optional["UniPrefillRuntime"]:
     return plugin_state().runtime
 
 
+def _kv_rows(pool, layer_id: int) -> int:
+    """Rows of a full-attention layer's KV buffer. A hybrid model's pool holds its
+    full-attention layers only, by id: without drop layers (a schedule refused at start-up)
+    layer 0 may be a linear one, so its first full-attention layer is asked instead."""
+    mapping = getattr(pool, "full_attention_layer_id_mapping", None)
+    if mapping and layer_id not in mapping:
+        layer_id = next(iter(mapping))
+    return pool.get_key_buffer(layer_id).shape[0]
+
+
 class UniPrefillRuntime:
     """UniPrefill in one model runner: the drop schedule, the per-stage KV bookkeeping and the
     parked rows of chunked prefill, and the steps of a forward."""
@@ -55,9 +65,7 @@ class UniPrefillRuntime:
         self.report_kept_positions = environ.REPORT_KEPT.get()
         self.check_kv_lens = environ.CHECK_KV_LENS.get()
         self.test_fault = environ.TEST_FAULT.get()
-        # Rows of a full-attention layer's buffer (a hybrid model's pool maps layer ids).
-        num_slots = token_to_kv_pool.get_key_buffer(
-            stages.drop_layers[0] if stages.drop_layers else 0).shape[0]
+        num_slots = _kv_rows(token_to_kv_pool, stages.drop_layers[0] if stages.drop_layers else 0)
         self.slots = SlotStages(num_slots, stages.num_drops, device,
                                 _stage_pools(stages, token_to_kv_pool, allocator, device))
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)

@@ -17,6 +17,7 @@ import logging
 from typing import FrozenSet, Optional, Tuple
 
 from uniprefill_sglang import architectures as arch_table
+from uniprefill_sglang import environ
 from uniprefill_sglang.config import (UniPrefillConfig, attention_backend_names,
                                       unsupported_architecture_reason, validate_for_model)
 from uniprefill_sglang.kv_validity import LayerStages
@@ -107,9 +108,10 @@ def resolve(config: UniPrefillConfig, facts: ModelFacts, server_args,
     why = unsupported_architecture_reason(facts.architectures, facts.layer_types, backends)
     entry = facts.entry
     recurrent = entry is not None and entry.recurrent_state
-    if recurrent and drop_layers and not server_args.disable_radix_cache:
-        # Start-up turns the radix cache off for such a family; it may not have read the
-        # model's config then, and prefix reuse over dropped tokens is not built for it.
+    if (recurrent and drop_layers and not server_args.disable_radix_cache
+            and not environ.HYBRID_PREFIX_CACHE.get()):
+        # Start-up turns the radix cache off for such a family (unless the experimental switch
+        # keeps it, checked there); it may not have read the model's config then.
         why = (f"{', '.join(facts.architectures)} keeps a recurrent state per cached prefix and "
                "the radix cache is on; start with --disable-radix-cache to drop")
         drop_layers = ()

@@ -17,6 +17,7 @@ from typing import Optional
 from sglang.srt.arg_groups.arg_utils import A, Arg
 from sglang.srt.server_args import ServerArgs
 
+from uniprefill_sglang import environ
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
@@ -322,14 +323,46 @@ class UniPrefillServerArgs(ServerArgs):
 
     def _apply_architecture_prefix_cache(self, architectures):
         """A family whose recurrent state SGLang caches per prefix runs without the radix cache
-        (architectures.Architecture.recurrent_state says why)."""
+        (architectures.Architecture.recurrent_state says why), unless
+        UNIPREFILL_HYBRID_PREFIX_CACHE keeps it (experimental: `_keep_hybrid_prefix_cache`)."""
         entry = architecture_entry(architectures)
         if entry is None or not entry.recurrent_state or self.disable_radix_cache:
+            return
+        if environ.HYBRID_PREFIX_CACHE.get():
+            self._keep_hybrid_prefix_cache(architectures)
             return
         self.disable_radix_cache = True
         logger.warning("UniPrefill: the radix cache is off for %s: its recurrent state is cached "
                        "per prefix, and prefix reuse over dropped tokens is not built for it",
                        ", ".join(architectures))
+
+    def _keep_hybrid_prefix_cache(self, architectures):
+        """SGLang's radix cache for these models (0.5.17: a UnifiedRadixCache with a recurrent
+        state component) keeps a request's recurrent state at the end of each step it inserts. Under UniPrefill a later layer's state then covers the survivors the cached
+        KV holds, so a request that reuses the prefix continues both consistently. Not with
+        the extra-buffer strategies, which snapshot states at positions inside a step (counted
+        over every row, while a later layer runs over the survivors): SGLang's no_buffer needs
+        the overlap scheduler off, as stock SGLang turns it off there. Not with the prefix
+        checkpoint: re-selecting over a cached prefix would need each later layer's state from
+        the prompt's start, which the cache does not hold."""
+        names = ", ".join(architectures)
+        strategy = getattr(self, "mamba_radix_cache_strategy", "no_buffer")
+        if strategy not in ("auto", "no_buffer"):
+            raise UniPrefillConfigError(
+                f"--mamba-radix-cache-strategy {strategy} with "
+                f"--enable-uniprefill on {names}: its states are snapshotted inside a step, "
+                "where UniPrefill's later layers run over the survivors only (use no_buffer)")
+        if self.uniprefill_prefix_checkpoint or self.uniprefill_prefix_policy == "reselect":
+            raise UniPrefillConfigError(
+                f"--uniprefill-prefix-checkpoint / --uniprefill-prefix-policy reselect on {names} "
+                "with its radix cache: re-selecting over a cached prefix needs each later layer's "
+                "recurrent state from the prompt's start, which the cache does not keep")
+        if strategy == "auto":
+            # SGLang's resolution then picks no_buffer, as it does without overlap on any GPU.
+            self.disable_overlap_schedule = True
+        logger.warning("UniPrefill: the radix cache stays on for %s (%s, experimental): a "
+                       "cached prefix is reused with the survivors its first request kept",
+                       names, environ.HYBRID_PREFIX_CACHE.name)
 
     def _apply_architecture_top_p(self, architectures):
         """An architecture's own default top-p (architectures.py) where no flag or profile

@@ -70,8 +70,9 @@ def forward_extend(original, backend, layer, forward_batch, mixed_qkv, a, b, **k
         return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     metadata, fb = backend.forward_metadata, forward_batch
     if metadata.has_mamba_track_mask:
-        raise RuntimeError("UniPrefill: a linear-attention layer tracks prefix states for the "
-                           "radix cache, which UniPrefill turns off for this model")
+        raise RuntimeError("UniPrefill: a linear-attention layer snapshots states inside the "
+                           "step for the radix cache (an extra-buffer strategy), which "
+                           "server_args.py refuses under UniPrefill")
     view, prefix_lens, lens = survivors_view(ctx, metadata, fb, stage)
     saved = fb.extend_prefix_lens, fb.extend_seq_lens_cpu
     backend.forward_metadata = view

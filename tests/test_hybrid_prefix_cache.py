@@ -1,0 +1,170 @@
+"""The radix cache kept on for a family with a recurrent state (UNIPREFILL_HYBRID_PREFIX_CACHE=1,
+experimental), on SGLang's CPU engine with tests/test_qwen3_next.py's reduced Qwen3-Next (drop
+at layer 1, so the Gated DeltaNet layer 2 and the attention layer 3 run on the survivors).
+
+SGLang 0.5.17 caches a Qwen3-Next prefix in a UnifiedRadixCache with a recurrent-state
+component: the KV of every token and the recurrent state at the end of the step that inserted
+it. A request that matches the prefix continues from both. Under UniPrefill a later layer's
+cached state covers the survivors the cached KV holds, which is what a follow-up reuses
+(reuse-sparse; nothing is re-selected).
+
+* A document cached by a request that generates nothing (run dense: the `dense-prefix` rule),
+  then asked about at top-p 1.0: the follow-up hits the cache and answers as dense without it.
+* A conversation at top-p 1.0: the second turn (first turn's prompt, its answer, a question)
+  hits the first turn's cached sequence and answers as dense without the cache.
+* The same conversation at a forced keep: the second turn hits the first turn's sparse prefix,
+  and the KV its later stage lacks is the first turn's gaps plus its own drop (slot map read on
+  the device, UNIPREFILL_CHECK_KV_LENS); it answers the same when asked again.
+* Start-up refuses the prefix checkpoint and an extra-buffer state strategy, naming them.
+* Nothing is left parked, no request or KV slot held after the cache is flushed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hybrid_workload import random_prompts
+from test_qwen3_next import CONFIG, ENGINE
+
+from uniprefill_sglang.tools.cpu_engine import (flush_cache, idle_state, make_cpu_engine,
+                                                triton_interpreter)
+
+FLAGS = {"UNIPREFILL_HYBRID_PREFIX_CACHE": "1", "UNIPREFILL_CHECK_KV_LENS": "1"}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
+FULL = dict(GREEDY, custom_params={"uniprefill_top_p": 1.0})
+DENSE = dict(GREEDY, custom_params={"uniprefill": False})
+FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": 0.4})
+DOC, QUESTION = random_prompts(CONFIG["vocab_size"], lengths=(300, 40))
+SECOND = random_prompts(CONFIG["vocab_size"], lengths=(1, 80))[1]
+
+
+@pytest.fixture
+def hybrid_flags():
+    saved = {k: os.environ.get(k) for k in FLAGS}
+    os.environ.update(FLAGS)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from uniprefill_sglang.tools.model_zoo import random_model
+
+    return random_model(tmp_path_factory.mktemp("qwen3_next_cache"), CONFIG)
+
+
+def _engine(model_dir, **kwargs):
+    with triton_interpreter():
+        return make_cpu_engine(model_dir, **ENGINE, uniprefill_min_prompt_tokens=0, **kwargs)
+
+
+def _ask(engine, ids, params):
+    return engine.generate(input_ids=ids, sampling_params=params)
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    saved = {k: os.environ.get(k) for k in FLAGS}
+    os.environ.update(FLAGS)
+    engine = None
+    try:
+        engine = _engine(model_dir, chunked_prefill_size=4096)
+        out = {"server": engine.get_server_info()}
+        # A document cached dense, then a question about it.
+        out["doc_dense"] = _ask(engine, DOC + QUESTION, DENSE)
+        flush_cache(engine)
+        _ask(engine, DOC, dict(GREEDY, max_new_tokens=0))
+        out["doc_follow"] = _ask(engine, DOC + QUESTION, FULL)
+        # A conversation, kept whole, then at a forced keep.
+        for name, params in (("full", FULL), ("forced", FORCED)):
+            flush_cache(engine)
+            first = _ask(engine, DOC, params)
+            turn2 = DOC + first["output_ids"] + SECOND
+            out[f"{name}_first"], out[f"{name}_turn2"] = first, _ask(engine, turn2, params)
+            out[f"{name}_again"] = _ask(engine, turn2, params)
+            flush_cache(engine)
+            out[f"{name}_turn2_dense"] = _ask(engine, turn2, DENSE)
+        flush_cache(engine)
+        out["state"] = idle_state(engine)
+        return out
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _last(out) -> dict:
+    return out["meta_info"]["uniprefill"][-1]
+
+
+@pytest.mark.engine
+def test_the_radix_cache_stays_on_without_state_snapshots_inside_a_step(runs):
+    assert runs["server"]["disable_radix_cache"] is False
+    assert runs["server"]["mamba_radix_cache_strategy"] == "no_buffer"
+
+
+@pytest.mark.engine
+def test_a_document_cached_dense_answers_as_dense(runs):
+    follow = runs["doc_follow"]
+    assert follow["meta_info"]["cached_tokens"] >= len(DOC) - 1, follow["meta_info"]
+    assert _last(follow)["enabled"], _last(follow)
+    assert follow["output_ids"] == runs["doc_dense"]["output_ids"]
+
+
+@pytest.mark.engine
+def test_a_second_turn_kept_whole_answers_as_dense(runs):
+    turn2 = runs["full_turn2"]
+    assert turn2["meta_info"]["cached_tokens"] >= len(DOC), turn2["meta_info"]
+    assert turn2["output_ids"] == runs["full_turn2_dense"]["output_ids"]
+
+
+@pytest.mark.engine
+def test_a_second_turn_reuses_the_first_turns_survivors(runs):
+    first, turn2 = runs["forced_first"], runs["forced_turn2"]
+    cached = turn2["meta_info"]["cached_tokens"]
+    assert cached >= len(DOC), turn2["meta_info"]
+    meta = _last(turn2)
+    assert meta["enabled"] and meta["reason"] is None, (meta, _last(first))
+    # The later stage lacks the first turn's dropped document tokens, and the second turn's
+    # own dropped new tokens: the cached KV and recurrent state are the first turn's survivors.
+    first_dropped = len(DOC) - _last(first)["kept_tokens"][-1]
+    own_dropped = meta["kept_tokens"][0] - meta["kept_tokens"][-1]
+    assert first_dropped > 0 and own_dropped > 0
+    assert meta["kv_missing"] == [first_dropped + own_dropped], (meta, _last(first))
+    assert runs["forced_again"]["output_ids"] == turn2["output_ids"]
+
+
+@pytest.mark.engine
+def test_nothing_left_behind(runs):
+    state = runs["state"]
+    assert state["parked_requests"] == 0
+    assert state["free_req_slots"] == state["req_slots"]
+    assert state["available_kv_tokens"] == state["max_total_num_tokens"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--uniprefill-prefix-checkpoint"], "--uniprefill-prefix-checkpoint"),
+    (["--mamba-radix-cache-strategy", "extra_buffer"], "--mamba-radix-cache-strategy"),
+])
+def test_start_up_refuses_what_the_cached_state_cannot_serve(model_dir, hybrid_flags, argv,
+                                                            named):
+    from sglang.srt.plugins import load_plugins
+
+    from uniprefill_sglang.config import UniPrefillConfigError
+
+    load_plugins()  # what `python -m sglang.launch_server` does first
+    from sglang.srt import server_args as sa
+
+    with pytest.raises(UniPrefillConfigError, match=named):
+        sa.prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
+                                "--enable-uniprefill", *argv])
