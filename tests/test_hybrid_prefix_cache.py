@@ -21,6 +21,7 @@ cached state covers the survivors the cached KV holds, which is what a follow-up
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -39,16 +40,20 @@ DOC, QUESTION = random_prompts(CONFIG["vocab_size"], lengths=(300, 40))
 SECOND = random_prompts(CONFIG["vocab_size"], lengths=(1, 80))[1]
 
 
-@pytest.fixture
-def hybrid_flags():
+@contextlib.contextmanager
+def _switched_on():
+    """FLAGS set for the engine's start-up (its processes inherit them), then as before: the
+    other modules' engines must not see them."""
     saved = {k: os.environ.get(k) for k in FLAGS}
     os.environ.update(FLAGS)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +75,9 @@ def _ask(engine, ids, params):
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    saved = {k: os.environ.get(k) for k in FLAGS}
-    os.environ.update(FLAGS)
-    engine = None
-    try:
+    with _switched_on():
         engine = _engine(model_dir, chunked_prefill_size=4096)
+    try:
         out = {"server": engine.get_server_info()}
         # A document cached dense, then a question about it.
         out["doc_dense"] = _ask(engine, DOC + QUESTION, DENSE)
@@ -94,13 +97,7 @@ def runs(model_dir):
         out["state"] = idle_state(engine)
         return out
     finally:
-        if engine is not None:
-            engine.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        engine.shutdown()
 
 
 def _last(out) -> dict:
@@ -156,8 +153,7 @@ def test_nothing_left_behind(runs):
     (["--uniprefill-prefix-checkpoint"], "--uniprefill-prefix-checkpoint"),
     (["--mamba-radix-cache-strategy", "extra_buffer"], "--mamba-radix-cache-strategy"),
 ])
-def test_start_up_refuses_what_the_cached_state_cannot_serve(model_dir, hybrid_flags, argv,
-                                                            named):
+def test_start_up_refuses_what_the_cached_state_cannot_serve(model_dir, argv, named):
     from sglang.srt.plugins import load_plugins
 
     from uniprefill_sglang.config import UniPrefillConfigError
@@ -165,6 +161,6 @@ def test_start_up_refuses_what_the_cached_state_cannot_serve(model_dir, hybrid_f
     load_plugins()  # what `python -m sglang.launch_server` does first
     from sglang.srt import server_args as sa
 
-    with pytest.raises(UniPrefillConfigError, match=named):
+    with _switched_on(), pytest.raises(UniPrefillConfigError, match=named):
         sa.prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
                                 "--enable-uniprefill", *argv])
