@@ -1,9 +1,9 @@
 """The radix cache kept on for a family with a recurrent state (UNIPREFILL_HYBRID_PREFIX_CACHE=1,
 experimental), on SGLang's CPU engine with tests/test_qwen3_next.py's reduced Qwen3-Next (drop
-at layer 1, so the Gated DeltaNet layer 2 and the attention layer 3 run on the survivors).
+at layer 1, so the Gated DeltaNet layer 2 and the attention layer 3 run on the survivors) and
+tests/test_lfm2.py's reduced LFM2 (drops at 2 and 4, conv layers after each).
 
-SGLang 0.5.17 caches a Qwen3-Next prefix in a UnifiedRadixCache with a recurrent-state
-component: the KV of every token and the recurrent state at the end of the step that inserted
+SGLang 0.5.17 caches such a prefix in a UnifiedRadixCache with a recurrent-state component: the KV of every token and the recurrent state at the end of the step that inserted
 it. A request that matches the prefix continues from both. Under UniPrefill a later layer's
 cached state covers the survivors the cached KV holds, which is what a follow-up reuses
 (reuse-sparse; nothing is re-selected).
@@ -25,8 +25,9 @@ import contextlib
 import os
 
 import pytest
+import test_lfm2
+import test_qwen3_next
 from hybrid_workload import random_prompts
-from test_qwen3_next import CONFIG, ENGINE
 
 from uniprefill_sglang.tools.cpu_engine import (flush_cache, idle_state, make_cpu_engine,
                                                 triton_interpreter)
@@ -36,8 +37,11 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
 FULL = dict(GREEDY, custom_params={"uniprefill_top_p": 1.0})
 DENSE = dict(GREEDY, custom_params={"uniprefill": False})
 FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": 0.4})
-DOC, QUESTION = random_prompts(CONFIG["vocab_size"], lengths=(300, 40))
-SECOND = random_prompts(CONFIG["vocab_size"], lengths=(1, 80))[1]
+MODELS = {"qwen3_next": test_qwen3_next, "lfm2": test_lfm2}  # their CONFIG and ENGINE
+VOCAB = 512  # both models'
+assert all(m.CONFIG["vocab_size"] == VOCAB for m in MODELS.values())
+DOC, QUESTION = random_prompts(VOCAB, lengths=(300, 40))
+SECOND = random_prompts(VOCAB, lengths=(1, 80))[1]
 
 
 @contextlib.contextmanager
@@ -56,17 +60,21 @@ def _switched_on():
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request, tmp_path_factory):
+    """(the model's test module, its random-weight folder)."""
     pytest.importorskip("transformers")
     from uniprefill_sglang.tools.model_zoo import random_model
 
-    return random_model(tmp_path_factory.mktemp("qwen3_next_cache"), CONFIG)
+    module = MODELS[request.param]
+    return module, random_model(tmp_path_factory.mktemp(f"{request.param}_cache"), module.CONFIG)
 
 
-def _engine(model_dir, **kwargs):
+def _engine(model, **kwargs):
+    module, model_dir = model
     with triton_interpreter():
-        return make_cpu_engine(model_dir, **ENGINE, uniprefill_min_prompt_tokens=0, **kwargs)
+        return make_cpu_engine(model_dir, **module.ENGINE, uniprefill_min_prompt_tokens=0,
+                               **kwargs)
 
 
 def _ask(engine, ids, params):
@@ -74,9 +82,9 @@ def _ask(engine, ids, params):
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir):
+def runs(model):
     with _switched_on():
-        engine = _engine(model_dir, chunked_prefill_size=4096)
+        engine = _engine(model, chunked_prefill_size=4096)
     try:
         out = {"server": engine.get_server_info()}
         # A document cached dense, then a question about it.
@@ -132,12 +140,14 @@ def test_a_second_turn_reuses_the_first_turns_survivors(runs):
     assert cached >= len(DOC), turn2["meta_info"]
     meta = _last(turn2)
     assert meta["enabled"] and meta["reason"] is None, (meta, _last(first))
-    # The later stage lacks the first turn's dropped document tokens, and the second turn's
+    # Each later stage lacks the first turn's dropped document tokens, and the second turn's
     # own dropped new tokens: the cached KV and recurrent state are the first turn's survivors.
-    first_dropped = len(DOC) - _last(first)["kept_tokens"][-1]
-    own_dropped = meta["kept_tokens"][0] - meta["kept_tokens"][-1]
-    assert first_dropped > 0 and own_dropped > 0
-    assert meta["kv_missing"] == [first_dropped + own_dropped], (meta, _last(first))
+    first_kept, kept = _last(first)["kept_tokens"], meta["kept_tokens"]
+    first_dropped = [len(DOC) - n for n in first_kept[1:]]
+    own_dropped = [kept[0] - n for n in kept[1:]]
+    assert min(first_dropped) > 0 and min(own_dropped) > 0
+    assert meta["kv_missing"] == [a + b for a, b in zip(first_dropped, own_dropped)], \
+        (meta, _last(first))
     assert runs["forced_again"]["output_ids"] == turn2["output_ids"]
 
 
@@ -153,7 +163,7 @@ def test_nothing_left_behind(runs):
     (["--uniprefill-prefix-checkpoint"], "--uniprefill-prefix-checkpoint"),
     (["--mamba-radix-cache-strategy", "extra_buffer"], "--mamba-radix-cache-strategy"),
 ])
-def test_start_up_refuses_what_the_cached_state_cannot_serve(model_dir, argv, named):
+def test_start_up_refuses_what_the_cached_state_cannot_serve(model, argv, named):
     from sglang.srt.plugins import load_plugins
 
     from uniprefill_sglang.config import UniPrefillConfigError
@@ -162,5 +172,5 @@ def test_start_up_refuses_what_the_cached_state_cannot_serve(model_dir, argv, na
     from sglang.srt import server_args as sa
 
     with _switched_on(), pytest.raises(UniPrefillConfigError, match=named):
-        sa.prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
+        sa.prepare_server_args(["--model-path", str(model[1]), "--device", "cpu",
                                 "--enable-uniprefill", *argv])
