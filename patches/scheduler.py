@@ -40,6 +40,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "free_req_slots": len(scheduler.req_to_token_pool.free_slots),
         "req_slots": int(scheduler.req_to_token_pool.size),
         "drop_layers": list(runtime.stages.drop_layers),
+        "selection": _selection(runtime.config),
         "idle": bool(scheduler.is_fully_idle()),
         "parked_requests": len(runtime.parking),
         "mixed_forwards": runtime.mixed_forwards,
@@ -57,6 +58,16 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         state["uniprefill"]["kv_pool_problems"] = runtime.slots.pools.check(
             _free_full_slots(scheduler.token_to_kv_pool_allocator))
     return result
+
+
+def _selection(config) -> dict:
+    """The selection knobs in force (each flag's, else the profile's, else the default): the
+    server args SGLang reports leave unset what a profile supplied."""
+    return {"top_p": None if config.keep_ratio else config.top_p,
+            "keep_ratio": list(config.keep_ratio) if config.keep_ratio else None,
+            "block_size": config.block_size, "sink_tokens": config.sink_tokens,
+            "last_queries": config.last_queries, "prefix_policy": config.prefix_policy,
+            "profile": config.profile}
 
 
 def _device_alloc_retries():

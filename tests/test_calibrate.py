@@ -270,4 +270,7 @@ def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path
     engine = engine_factory(enable_uniprefill=True, uniprefill_profile=str(out))
     state = uniprefill_state(engine)
     assert state["drop_layers"] == data["schedule"]["drop_layers"]
+    assert state["selection"]["profile"] == str(out)
+    assert state["selection"]["top_p"] == data["schedule"]["top_p"]
+    assert state["selection"]["block_size"] == data["schedule"]["block_size"]
     assert state["drop_layers"] != list(default_drop_layers(30))

@@ -79,6 +79,9 @@ def runs(gemma_path):
 def test_gemma3_defaults_are_the_shipped_profile(runs):
     # Layer 5 comes from the profile only (the architecture's own rule drops at 11).
     assert runs["state"]["drop_layers"] == [5, 11]
+    selection = runs["state"]["selection"]  # what the server args leave unset
+    assert (selection["top_p"], selection["block_size"]) == (0.975, 64), selection
+    assert selection["profile"].endswith("gemma-3-270m.json"), selection
     assert runs["state"]["kv_layout"] == "staged"
     assert [p["layers"] for p in runs["state"]["kv_pools"]] == [6, 6, 6]
 
