@@ -1,13 +1,19 @@
-"""The CPU-engine workload of the reduced hybrid models (Qwen3-Next, LFM2): one prompt dense
-(UniPrefill off per request), at top-p 1.0 and at a forced keep; another prompt at the forced
-keep; both batched; then, on an engine chunking at 128 tokens, the first prompt at the forced
-keep and at top-p 1.0. Each engine's idle state is recorded after its requests."""
+"""The workloads of the reduced hybrid models (Qwen3-Next, LFM2).
+
+* `run_hybrid_workload` (CPU engine): one prompt dense (UniPrefill off per request), at top-p
+  1.0 and at a forced keep; another prompt at the forced keep; both batched; then, on an engine
+  chunking at 128 tokens, the first prompt at the forced keep and at top-p 1.0. Each engine's
+  idle state is recorded after its requests.
+* `prefix_cache_workload` (CPU engine and GPU, the radix cache on): a cached document and a
+  second conversation turn, asked dense and with UniPrefill over the same cached prefix
+  (test_hybrid_prefix_cache.py says what each record is for).
+"""
 
 from __future__ import annotations
 
 import random
 
-from uniprefill_sglang.tools.cpu_engine import idle_state
+from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state
 
 
 def random_prompts(vocab_size: int, lengths=(300, 220)) -> list:
@@ -51,3 +57,50 @@ def assert_nothing_left(runs: dict) -> None:
         assert state["parked_requests"] == 0
         assert state["free_req_slots"] == state["req_slots"]
         assert state["available_kv_tokens"] == state["max_total_num_tokens"]
+
+
+def prefix_cache_workload(engine, doc: list, question: list, second: list, greedy: dict,
+                          forced: dict) -> dict:
+    """Records (JSON-serialisable) of `engine`'s answers with and without its radix cache:
+
+    * `doc_follow` / `doc_dense_cached`: `doc` cached by a request generating nothing, then
+      `doc + question` at top-p 1.0 / dense over it; `doc_dense`: dense with the cache empty;
+    * for `full` (top-p 1.0) and `forced`: the first turn `doc`, the second turn (the first's
+      prompt and answer, then `second`) over the first's cache, the same again over its own
+      cache (`again`), and dense with the cache empty (`turn2_dense`);
+    * `full_turn2_dense_cached`: the second turn dense over the first turn's cache at top-p 1.0;
+    * `state`: the idle state after a flush."""
+    full = dict(greedy, custom_params={"uniprefill_top_p": 1.0})
+    dense = dict(greedy, custom_params={"uniprefill": False})
+
+    def ask(ids, params) -> dict:
+        out = engine.generate(input_ids=ids, sampling_params=params)
+        return {"output_ids": out["output_ids"], "meta_info": {
+            "cached_tokens": out["meta_info"]["cached_tokens"],
+            "uniprefill": out["meta_info"]["uniprefill"]}}
+
+    def cache_then_ask(cached: list, ids: list, params: dict, first_params=None) -> dict:
+        flush_cache(engine)
+        ask(cached, first_params or dict(greedy, max_new_tokens=0))
+        return ask(ids, params)
+
+    info = engine.get_server_info()
+    out = {"server": {k: info.get(k) for k in ("disable_radix_cache",
+                                                 "mamba_radix_cache_strategy")}}
+    out["doc_follow"] = cache_then_ask(doc, doc + question, full)
+    out["doc_dense_cached"] = cache_then_ask(doc, doc + question, dense)
+    flush_cache(engine)
+    out["doc_dense"] = ask(doc + question, dense)
+    turns = {}
+    for name, params in (("full", full), ("forced", forced)):
+        flush_cache(engine)
+        first = ask(doc, params)
+        turns[name] = doc + first["output_ids"] + second
+        out[f"{name}_first"], out[f"{name}_turn2"] = first, ask(turns[name], params)
+        out[f"{name}_again"] = ask(turns[name], params)
+        flush_cache(engine)
+        out[f"{name}_turn2_dense"] = ask(turns[name], dense)
+    out["full_turn2_dense_cached"] = cache_then_ask(doc, turns["full"], dense, first_params=full)
+    flush_cache(engine)
+    out["state"] = idle_state(engine)
+    return out
