@@ -128,7 +128,8 @@ def test_new_cases_are_deterministic_fill_their_budget_and_hold_each_needle_once
                 assert context.count(ans) == expected, (a.name, ans)
             if hay != "noise":
                 assert haystacks.NOISE_SENTENCES[0] not in context
-                pool = haystacks.PROSE_SENTENCES if hay == "prose" else haystacks.ESSAY_SENTENCES
+                pool = {"prose": haystacks.PROSE_SENTENCES, "essay": haystacks.ESSAY_SENTENCES,
+                        "manual": haystacks.MANUAL_SENTENCES}[hay]
                 assert sum(context.count(s) for s in pool) > 10
     # The seed changes the needles, the haystack only their surroundings.
     p = make_case(tokenizer, "niah_number", 1500, 0.5, SEED, haystack="prose")

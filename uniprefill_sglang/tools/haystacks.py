@@ -1,7 +1,7 @@
 """Haystacks for the needle tasks: the text a needle hides in, written for this project.
 
-RULER (Hsieh et al., 2024) hides its needles in one of a few kinds of filler; these are local
-stand-ins of the same three shapes, in our own words:
+RULER (Hsieh et al., 2024) hides its needles in one of a few kinds of filler; the first three
+are local stand-ins of its three shapes, in our own words, the fourth a register of our own:
 
 * ``noise``: the same five short sentences over and over ("The grass is green. The sky is
   blue. ..."): no content a needle could be confused with, and trivially repetitive.
@@ -11,6 +11,9 @@ stand-ins of the same three shapes, in our own words:
 * ``essay``: a short essay of our own on learning a craft, repeated paragraph after paragraph
   (RULER repeats long essays): argued, connected text, the hardest of the three for a model to
   skip.
+* ``manual``: the care instructions of a home aquarium, imperative and technical, their steps
+  in order and repeated: a fourth register, for reporting on a haystack that calibration on
+  the other three never saw.
 
 A haystack is a list of units (sentences), so that a needle is inserted between sentences;
 ``units(kind, n, seed)`` is a prefix of ``units(kind, n + 1, seed)`` (the token count grows with
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import random
 
-HAYSTACKS = ("noise", "prose", "essay")
+HAYSTACKS = ("noise", "prose", "essay", "manual")
 
 NOISE_SENTENCES = (
     "The grass is green.",
@@ -109,14 +112,50 @@ ESSAY_PARAGRAPHS = (
 )
 ESSAY_SENTENCES = tuple(s for paragraph in ESSAY_PARAGRAPHS for s in paragraph)
 
+# Care instructions of our own (a home aquarium), in order; repeated.
+MANUAL_SENTENCES = (
+    "Before you fill the tank, place it on a level stand that can carry its full weight.",
+    "Rinse the gravel in a bucket until the water running off it is clear.",
+    "Spread the gravel so that it slopes gently from the back of the tank to the front.",
+    "Fit the filter to the back wall and make sure its intake sits well below the surface.",
+    "Fill the tank slowly, pouring the water onto a plate so that the gravel is not disturbed.",
+    "Add a water conditioner to remove the chlorine that tap water usually contains.",
+    "Switch on the heater only after it has been under water for at least a quarter of an hour.",
+    "Check the thermometer each morning during the first week and adjust the heater if needed.",
+    "Leave the filter running for several weeks before you add any fish.",
+    "During that time useful bacteria settle in the filter and break down waste.",
+    "Test the water once a week with a simple kit from any pet shop.",
+    "Introduce the first fish in small groups rather than all at once.",
+    "Float the closed bag on the surface for a while so that the temperatures can even out.",
+    "Feed the fish sparingly, no more than they can eat in a couple of minutes.",
+    "Remove any food that is left over, because it spoils the water quickly.",
+    "Replace a fifth of the water every week with conditioned water of the same temperature.",
+    "Clean the glass from the inside with a soft scraper that will not scratch it.",
+    "Rinse the filter sponge in old tank water, never under the tap.",
+    "Trim the plants when their leaves begin to crowd the surface.",
+    "Keep the lid closed, since some fish jump when they are startled.",
+    "Do not place the tank in direct sunlight, which encourages algae to grow.",
+    "Run the light for about eight hours a day on a timer.",
+    "If the water turns cloudy, reduce feeding and wait a few days before doing anything else.",
+    "Watch the fish for a short time every day to notice changes in their behaviour.",
+    "A fish that hides all day or stops eating may need a separate tank for a while.",
+    "Unplug every device before you put your hands into the water.",
+    "Keep a towel nearby, because small spills happen during every cleaning.",
+    "Write down each water change and test result in a notebook kept beside the tank.",
+    "When you travel, ask a neighbour to feed the fish rather than leaving extra food.",
+    "Replace the heater and the filter parts when they show signs of wear.",
+    "Most problems in a home aquarium come from overfeeding and from changing too much at once.",
+    "Patience is the most useful habit a keeper of fish can learn.",
+)
+
 
 def units(kind: str, n: int, seed: int = 0) -> list[str]:
     """The first ``n`` sentences of haystack ``kind`` (``seed`` orders the ``prose`` rounds)."""
     if kind == "noise":
         pool = NOISE_SENTENCES
         return [pool[i % len(pool)] for i in range(n)]
-    if kind == "essay":
-        pool = ESSAY_SENTENCES
+    if kind in ("essay", "manual"):
+        pool = ESSAY_SENTENCES if kind == "essay" else MANUAL_SENTENCES
         return [pool[i % len(pool)] for i in range(n)]
     if kind == "prose":
         out: list[str] = []
