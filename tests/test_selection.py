@@ -15,6 +15,7 @@ from uniprefill_sglang.selection import (
     SelectionRule,
     prefix_coverage,
     prefix_coverage_reference,
+    select_by_position,
     select_survivors,
     select_survivors_reference,
 )
@@ -212,3 +213,23 @@ def test_coverage_and_selection_agree_on_what_is_dropped(seed, monkeypatch):
     coverage = prefix_coverage(full, key_buffer, scale, rule, cached)
     mass = select_survivors(full, key_buffer, scale, rule).dropped_mass
     assert ((coverage.dropped - mass).abs() <= 1e-9 + 1e-9 * mass).all(), (coverage.dropped, mass)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_positional_selection_keeps_every_other_block_sinks_and_last_window(seed):
+    """UNIPREFILL_TEST_SELECTION=positional against a plain loop over each request's
+    candidates."""
+    cands, _, _, rule = random_batch(seed)
+    got = select_by_position(cands, rule)
+    want_keep, want_counts = [], []
+    k_ptr = 0
+    for n_keys, n_prefix in zip(cands.key_counts, cands.prefix_counts):
+        pos = cands.key_pos[k_ptr + n_prefix:k_ptr + n_keys].tolist()
+        keep = [p < rule.sink_tokens or i >= len(pos) - rule.last_window
+                or (p // rule.block_size) % 2 == 0 for i, p in enumerate(pos)]
+        want_keep += keep
+        want_counts.append(sum(keep))
+        k_ptr += n_keys
+    assert got.keep_mask.tolist() == want_keep
+    assert got.counts.tolist() == want_counts
+    assert got.dropped_mass.tolist() == [0.0] * cands.num_segments

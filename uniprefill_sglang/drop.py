@@ -26,7 +26,8 @@ import torch
 from uniprefill_sglang.context import CheckFailed, DropContext, UniPrefillError, to_device
 from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
-from uniprefill_sglang.selection import DropCandidates, prefix_coverage, select_survivors
+from uniprefill_sglang.selection import (DropCandidates, prefix_coverage, select_by_position,
+                                         select_survivors)
 
 MAX_DROPPED_MASS_FLAG = "--uniprefill-max-dropped-mass"
 
@@ -199,9 +200,12 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
     reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
     cands = step.cands
     cands.key_slots = rt.slots.pool_slots(cands.key_slots, stage)
-    selection = select_survivors(
-        cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
-        reduce)
+    if rt.test_selection == "positional":
+        selection = select_by_position(cands, rt.rule)
+    else:
+        selection = select_survivors(
+            cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
+            reduce)
     counts, mass = selection.counts, selection.dropped_mass
     if rt.check_tp:
         rt.tp_agreement.verify(selection.keep_idx, counts)

@@ -65,6 +65,7 @@ class UniPrefillRuntime:
         self.report_kept_positions = environ.REPORT_KEPT.get()
         self.check_kv_lens = environ.CHECK_KV_LENS.get()
         self.test_fault = environ.TEST_FAULT.get()
+        self.test_selection = environ.TEST_SELECTION.get()
         num_slots = _kv_rows(token_to_kv_pool, stages.drop_layers[0] if stages.drop_layers else 0)
         self.slots = SlotStages(num_slots, stages.num_drops, device,
                                 _stage_pools(stages, token_to_kv_pool, allocator, device))

@@ -84,28 +84,55 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
     return Selection(keep, counts, _dropped_mass(cands, scores, keep))
 
 
-def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor):
-    """Per segment: the candidates' scores on dropped candidates over all its candidates'
-    scores, in float64, from host-known counts only (no host sync)."""
-    device = scores.device
+def _candidate_rows(cands: DropCandidates, device):
+    """(each candidate's segment, its key row, its index within its segment), numbered across
+    the batch, from host-known counts only (no host sync)."""
     num = cands.num_segments
     cand_counts = [k - p for k, p in zip(cands.key_counts, cands.prefix_counts)]
     num_cands = sum(cand_counts)
-    sums = torch.zeros(2, num, dtype=torch.float64, device=device)
-    if num_cands == 0:
-        return sums[0]
-    # Candidate c of segment b is key row c + (prefix keys of segments 0..b).
-    lead = to_device(_indptr(cands.prefix_counts)[1:], torch.int64, device)
     counts = to_device(cand_counts, torch.int64, device)
     segment = torch.repeat_interleave(torch.arange(num, device=device), counts,
                                       output_size=num_cands)
-    rows = torch.arange(num_cands, device=device) + lead.index_select(0, segment)
+    # Candidate c of segment b is key row c + (prefix keys of segments 0..b).
+    lead = to_device(_indptr(cands.prefix_counts)[1:], torch.int64, device)
+    first = to_device(_indptr(cand_counts)[:-1], torch.int64, device)
+    index = torch.arange(num_cands, device=device)
+    return segment, index + lead.index_select(0, segment), index - first.index_select(0, segment)
+
+
+def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor):
+    """Per segment: the candidates' scores on dropped candidates over all its candidates'
+    scores, in float64, from host-known counts only (no host sync)."""
+    sums = torch.zeros(2, cands.num_segments, dtype=torch.float64, device=scores.device)
+    if keep.numel() == 0:
+        return sums[0]
+    segment, rows, _ = _candidate_rows(cands, scores.device)
     cand_scores = scores.index_select(0, rows).to(torch.float64)
     cand_scores = torch.where(cand_scores > 0, cand_scores, 0.0)  # NaN counts as 0, as in select
     sums[0].index_add_(0, segment, cand_scores)
     sums[1].index_add_(0, segment, cand_scores * ~keep)
     total = sums[0].clamp_min(torch.finfo(torch.float64).tiny)
     return (sums[1] / total).clamp_(0.0, 1.0)
+
+
+def select_by_position(cands: DropCandidates, rule: SelectionRule, stride: int = 2) -> Selection:
+    """Test only (UNIPREFILL_TEST_SELECTION=positional): per segment, keep the candidates in
+    every `stride`-th block of original positions (block k holds positions k * block_size ..),
+    the sinks and the last `last_window` candidates, whatever the attention says. Every attention
+    backend then keeps the same positions, so that what they compute after a drop can be
+    compared exactly; the mass let go is reported as 0. No host sync."""
+    device = cands.key_pos.device
+    num = cands.num_segments
+    segment, rows, index = _candidate_rows(cands, device)
+    pos = cands.key_pos.index_select(0, rows)
+    cand_counts = to_device([k - p for k, p in zip(cands.key_counts, cands.prefix_counts)],
+                            torch.int64, device)
+    from_end = cand_counts.index_select(0, segment) - index  # 1 for a segment's last candidate
+    keep = ((pos < rule.sink_tokens) | (from_end <= rule.last_window)
+            | ((pos // rule.block_size) % stride == 0))
+    counts = torch.zeros(num, dtype=torch.int32, device=device).index_add_(
+        0, segment, keep.to(torch.int32))
+    return Selection(keep, counts, torch.zeros(num, dtype=torch.float64, device=device))
 
 
 def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
