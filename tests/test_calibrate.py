@@ -117,6 +117,32 @@ def test_a_leave_families_out_split_holds_out_families_and_haystacks(smollm2_pat
     assert not cal.unseen_families(same.calibration, same.heldout)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_pareto_front_is_what_no_candidate_beats_on_both_axes(seed, tmp_path):
+    """`pareto_front` against a plain pairwise check on fresh random candidates (ties
+    included), and the plot of it written."""
+    rng = random.Random(seed)
+    rows = [{"schedule": cal.Schedule((rng.randint(2, 20),), rng.choice([0.98, 0.99]), 32),
+             "est_agreement": rng.choice([0.5, 0.75, 0.9, 1.0]),
+             "est_flop_ideal": {8192: rng.choice([1.1, 1.3, 1.3, 1.6, 2.0])}}
+            for _ in range(rng.randint(1, 30))]
+
+    def beaten(r):
+        a, f = r["est_agreement"], r["est_flop_ideal"][8192]
+        return any(o["est_agreement"] >= a and o["est_flop_ideal"][8192] >= f
+                   and (o["est_agreement"], o["est_flop_ideal"][8192]) != (a, f) for o in rows)
+
+    front = cal.pareto_front(rows, 8192)
+    assert sorted(map(id, front)) == sorted(id(r) for r in rows if not beaten(r))
+    speeds = [r["est_flop_ideal"][8192] for r in front]
+    assert speeds == sorted(speeds)
+    # Along the front, more speed never comes with more agreement.
+    assert all(a["est_agreement"] >= b["est_agreement"] for a, b in zip(front, front[1:])
+               if a["est_flop_ideal"][8192] < b["est_flop_ideal"][8192])
+    png = cal.frontier_plot(rows, rows[0], rows[-1], 8192, str(tmp_path / "f.png"), "t")
+    assert Path(png).stat().st_size > 0
+
+
 def test_flop_model():
     n = 8192
     assert cal.prefill_flops([n], (), SMOLLM2) == cal.prefill_flops([n, n, n], (4, 9), SMOLLM2)
@@ -266,6 +292,9 @@ def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path
         assert data["agreement"][split]["cases"] == 2
     assert data["command"].startswith("python -m uniprefill_sglang.calibrate")
     assert out.with_suffix(".png").stat().st_size > 0
+    assert out.with_suffix(".frontier.png").stat().st_size > 0
+    front = data["frontier"]["pareto_front"]
+    assert front and all(f["drop_layers"] in ([3], [3, 9]) for f in front)
 
     engine = engine_factory(enable_uniprefill=True, uniprefill_profile=str(out))
     state = uniprefill_state(engine)

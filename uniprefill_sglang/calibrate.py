@@ -842,6 +842,48 @@ def search_space(args, shape: ModelShape) -> SearchSpace:
         heatmap_layers={ls[0]: min(_ints(args.block_sizes)) for ls in layer_sets})
 
 
+def pareto_front(rows: list[dict], longest: int) -> list[dict]:
+    """The rows no other row beats in both estimated agreement and FLOP-ideal speed-up at the
+    longest length (ties kept), by speed-up ascending: the accuracy-versus-speed curve."""
+    def point(r):
+        return r["est_flop_ideal"][longest], r["est_agreement"]
+
+    front = [r for r in rows if not any(
+        point(o)[0] >= point(r)[0] and point(o)[1] >= point(r)[1] and point(o) != point(r)
+        for o in rows)]
+    return sorted(front, key=point)
+
+
+def frontier_plot(rows: list[dict], default_row: dict, chosen: dict, longest: int, path: str,
+                  title: str) -> str:
+    """Every candidate's estimated agreement against its FLOP-ideal speed-up at the longest
+    length, the Pareto front joined, the chosen and the default schedules marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    ax.scatter([r["est_flop_ideal"][longest] for r in rows], [r["est_agreement"] for r in rows],
+               s=10, color="0.65", label=f"candidates ({len(rows)})")
+    front = pareto_front(rows, longest)
+    ax.plot([r["est_flop_ideal"][longest] for r in front], [r["est_agreement"] for r in front],
+            "-o", ms=4, color="tab:blue", label="Pareto front")
+    for row, label, color in ((chosen, f"chosen: {chosen['schedule'].name}", "tab:green"),
+                              (default_row, f"default: {default_row['schedule'].name}",
+                               "tab:red")):
+        ax.scatter([row["est_flop_ideal"][longest]], [row["est_agreement"]], s=60, marker="*",
+                   color=color, label=label, zorder=3)
+    ax.set_xlabel(f"FLOP-ideal prefill speed-up at {longest} tokens (estimated)")
+    ax.set_ylabel("needle kept, dense-right calibration cases (estimated)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def estimate(setup: Setup, space: SearchSpace) -> Estimates:
     """The offline step: replay every candidate (and the default) on the calibration cases and
     pick the candidates to confirm."""
@@ -900,7 +942,7 @@ def confirm(setup: Setup, space: SearchSpace, est: Estimates) -> Confirmation:
 
 
 def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirmation,
-                 png: str, duration: float) -> dict:
+                 png: str, frontier_png: str, duration: float) -> dict:
     args, shape, best = setup.args, setup.shape, conf.best
     return {
         "format": PROFILE_FORMAT,
@@ -944,6 +986,9 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
         "timing_s": {"total": round(duration, 1), "offline": round(est.seconds, 1),
                      "confirmation": round(conf.seconds, 1)},
         "heatmap": os.path.basename(png),
+        "frontier": {"plot": os.path.basename(frontier_png),
+                     "pareto_front": [{**_schedule_json(r["schedule"]), **_estimate_json(r)}
+                                      for r in pareto_front(est.rows, setup.longest)]},
         "command": setup.command,
         "date": setup.started.date().isoformat(),
         "commit": _git_commit(),
@@ -985,9 +1030,12 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     png = heatmap(est.records, space.heatmap_layers, setup.lengths, str(out.with_suffix(".png")),
                   f"{Path(setup.model_path).name}: single drop per layer", _floats(args.top_p))
-    profile = profile_json(setup, space, est, conf, png, duration)
+    frontier_png = frontier_plot(est.rows, est.default_row, conf.best, setup.longest,
+                                 str(out.with_suffix(".frontier.png")),
+                                 f"{Path(setup.model_path).name}: accuracy against speed")
+    profile = profile_json(setup, space, est, conf, png, frontier_png, duration)
     out.write_text(json.dumps(profile, indent=1) + "\n")
-    print_report(setup, space, est, conf, out, png, duration)
+    print_report(setup, space, est, conf, out, f"{png}, {frontier_png}", duration)
     return profile
 
 
