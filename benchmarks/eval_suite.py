@@ -776,6 +776,9 @@ def main(argv=None) -> dict:
     def checkpoint(rows, shared_rows):  # what is done so far, removed once the run completes
         partial.write_text(json.dumps({"cases": rows, "shared_cases": shared_rows}, indent=1))
 
+    # The header says where the run started: taken now, not when the result is written.
+    header = result_header(model=model_path, argv=[
+        "benchmarks/eval_suite.py", *(argv if argv is not None else sys.argv[1:])])
     rows, timing = run_suite(factory, cases, configs, progress=not args.no_progress,
                              shared_cases=shared,
                              only_dense_right=rule if args.only_dense_right else None,
@@ -787,8 +790,7 @@ def main(argv=None) -> dict:
     all_lengths = sorted({r["target_tokens"] for r in rows})
     duration = time.perf_counter() - t_all
     result = {
-        "header": result_header(model=model_path, argv=[
-            "benchmarks/eval_suite.py", *(argv if argv is not None else sys.argv[1:])]),
+        "header": header,
         "meta": {
             "date": started.date().isoformat(), "started_utc": started.isoformat(),
             "duration_s": duration, "machine": _machine(), "model": model_path,

@@ -51,8 +51,8 @@ def git_commit() -> tuple[Optional[str], str]:
         return None, "not a git checkout: commit unknown"
     dirty = _run("git", "status", "--porcelain", "--untracked-files=no")
     if dirty:
-        return commit, "HEAD when the run started; tracked files had uncommitted changes"
-    return commit, "HEAD when the run started (clean tree)"
+        return commit, "HEAD when the header was taken; tracked files had uncommitted changes"
+    return commit, "HEAD when the header was taken (clean tree)"
 
 
 def device_name() -> str:
