@@ -90,7 +90,8 @@ HYBRID_PREFIX_CACHE = Flag(
     "cached prefix's recurrent state is the "
     "state over the survivors its KV holds, and a request reuses both (reuse-sparse; nothing is "
     "re-selected, so the prefix checkpoint is refused); tested on the CPU engine with "
-    "Qwen3-Next and LFM2 on SGLang 0.5.17; without it such a family runs with the radix cache off")
+    "Qwen3-Next and LFM2 and on an H200 with Qwen3-Next, on SGLang 0.5.17; without it such a "
+    "family runs with the radix cache off")
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")

@@ -13,6 +13,11 @@ workload is tests/hybrid_workload.py's. In bfloat16 a prefix computed in an earl
 otherwise than the same prompt computed whole, in stock SGLang as well, so a cached request is
 held to dense over the same cached prefix; the exact comparison with an empty cache runs on the
 CPU in float32.
+
+On the H200 (2026-12-03, benchmarks/results/qwen3_next/gpu_prefix_cache_test_h200.json) the
+Qwen3-Next engines passed every check, and dense with the cache empty differed from dense over
+the cache from the 8th (FlashInfer) and 6th (Triton) greedy token. The three engines take more
+than 280 s together (the FlashInfer one 3.6 min, compiling its kernels): give the run 420 s.
 """
 
 from __future__ import annotations
