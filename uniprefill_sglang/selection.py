@@ -13,6 +13,8 @@ neither part).
 `select_survivors` runs the kernels (Triton on CUDA, their torch references elsewhere) on the
 whole batch; `select_survivors_reference`, for tests, runs the per-segment torch references in
 float64 one request at a time (kernels/reference.py, where the rule is written once).
+`select_by_position` (tests only, UNIPREFILL_TEST_SELECTION) keeps positions by a fixed rule
+instead, so that attention backends can be compared over the same survivors.
 """
 
 from __future__ import annotations
