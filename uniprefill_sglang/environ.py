@@ -75,7 +75,8 @@ TEST_SELECTION = Choice(
     "UNIPREFILL_TEST_SELECTION",
     "test only: 'positional' keeps every other block by original position (plus the sinks and "
     "the last queries) instead of the attention's choice, so that every backend keeps the same "
-    "positions and their layers after a drop can be compared exactly (selection.select_by_position)",
+    "positions and their layers after a drop can be compared exactly "
+    "(selection.select_by_position)",
     ("positional",))
 FLASHINFER_SLIDING_WINDOW = Flag(
     "UNIPREFILL_FLASHINFER_SLIDING_WINDOW",
@@ -103,5 +104,5 @@ CPU_ENGINE = Text(
     "the CPU engine when CUDA is absent)")
 
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
-       TEST_SELECTION, FLASHINFER_SLIDING_WINDOW, HYBRID_PREFIX_CACHE, CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT,
-       CPU_ENGINE)
+       TEST_SELECTION, FLASHINFER_SLIDING_WINDOW, HYBRID_PREFIX_CACHE, CACHE, SGL_KERNEL_STUB_DIR,
+       REPO_ROOT, CPU_ENGINE)

@@ -87,8 +87,8 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
 
 
 def _candidate_rows(cands: DropCandidates, device):
-    """(each candidate's segment, its key row, its index within its segment), numbered across
-    the batch, from host-known counts only (no host sync)."""
+    """(each candidate's segment, its key row, its index within its segment, the candidates
+    per segment), numbered across the batch, from host-known counts only (no host sync)."""
     num = cands.num_segments
     cand_counts = [k - p for k, p in zip(cands.key_counts, cands.prefix_counts)]
     num_cands = sum(cand_counts)
@@ -99,7 +99,8 @@ def _candidate_rows(cands: DropCandidates, device):
     lead = to_device(_indptr(cands.prefix_counts)[1:], torch.int64, device)
     first = to_device(_indptr(cand_counts)[:-1], torch.int64, device)
     index = torch.arange(num_cands, device=device)
-    return segment, index + lead.index_select(0, segment), index - first.index_select(0, segment)
+    return (segment, index + lead.index_select(0, segment),
+            index - first.index_select(0, segment), counts)
 
 
 def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor):
@@ -108,7 +109,7 @@ def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tenso
     sums = torch.zeros(2, cands.num_segments, dtype=torch.float64, device=scores.device)
     if keep.numel() == 0:
         return sums[0]
-    segment, rows, _ = _candidate_rows(cands, scores.device)
+    segment, rows, _, _ = _candidate_rows(cands, scores.device)
     cand_scores = scores.index_select(0, rows).to(torch.float64)
     cand_scores = torch.where(cand_scores > 0, cand_scores, 0.0)  # NaN counts as 0, as in select
     sums[0].index_add_(0, segment, cand_scores)
@@ -125,10 +126,8 @@ def select_by_position(cands: DropCandidates, rule: SelectionRule, stride: int =
     compared exactly; the mass let go is reported as 0. No host sync."""
     device = cands.key_pos.device
     num = cands.num_segments
-    segment, rows, index = _candidate_rows(cands, device)
+    segment, rows, index, cand_counts = _candidate_rows(cands, device)
     pos = cands.key_pos.index_select(0, rows)
-    cand_counts = to_device([k - p for k, p in zip(cands.key_counts, cands.prefix_counts)],
-                            torch.int64, device)
     from_end = cand_counts.index_select(0, segment) - index  # 1 for a segment's last candidate
     keep = ((pos < rule.sink_tokens) | (from_end <= rule.last_window)
             | ((pos // rule.block_size) % stride == 0))
