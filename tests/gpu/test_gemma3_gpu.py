@@ -18,10 +18,12 @@ the shared KV layouts:
 
 * top-p 1.0 is token-identical to dense in the same engine;
 * a forced keep keeps the same positions and answers alike batched with another prompt;
-* Triton keeps exactly what torch_native keeps at both drops, unchunked and chunked at 512
-  (the earlier chunks park and rejoin). The second drop scores hidden states that went through
-  the sliding layers 4 and 5 after the first drop, so equal digests there say Triton's window
-  lists are the model's, up to rounding that flips no block;
+* Triton keeps exactly what torch_native keeps at the first drop, unchunked and chunked at 512
+  (the earlier chunks park and rejoin), and as many at the second (within a block). The second
+  drop scores hidden states that went through the sliding layers 4 and 5 after the first drop;
+  on the H200 on 2026-12-02 all three Triton engines kept exactly torch_native's positions
+  there, on 2026-12-03 (the same code) tr_whole kept one other block while tr_chunked and
+  tr_shared matched: this model's blocks are near-tied, so rounding flips one now and then;
 * nothing is left parked and no slot leaks.
 
 FlashInfer is held to counts, not positions: its stock layers before the first drop round
@@ -39,7 +41,12 @@ The `*_pos` engines take the scores out of the comparison: UNIPREFILL_TEST_SELEC
 keeps the same positions on every backend (every other block), so FlashInfer's and Triton's
 layers after a drop run over exactly torch_native's survivors; their digests must be equal and
 their top-2 log-probabilities' gaps to torch_native's are printed beside dense's (rounding
-alone), the data for the exact check that UNIPREFILL_FLASHINFER_SLIDING_WINDOW waits for.
+alone). On the H200 (2026-12-03, benchmarks/results/gemma3/gpu_test_positional_h200.json) the
+digests and tokens were equal and the gaps 0.31 / 0.25 (Triton, dense / forced) and 0.94 / 1.06
+(FlashInfer); but dropping half the prompt moves torch_native's own runner-up by 1.0, so this
+model cannot tell a window error from rounding: the exact check that
+UNIPREFILL_FLASHINFER_SLIDING_WINDOW waits for needs a model whose answers depend on the
+context.
 """
 
 from __future__ import annotations
@@ -89,7 +96,10 @@ ENGINES = {
     "fi_pos": dict(attention_backend="flashinfer", chunked_prefill_size=8192, **STAGED),
 }
 POSITIONAL = [n for n in ENGINES if n.endswith("_pos")]
-GPU_BACKENDS = [n for n in ENGINES if not n.startswith("tn_") and n not in POSITIONAL]
+# Engines whose drops follow the scores (top-p, keep ratios): the positional ones keep every
+# other block whatever those say.
+SCORED = [n for n in ENGINES if n not in POSITIONAL]
+GPU_BACKENDS = [n for n in SCORED if not n.startswith("tn_")]
 # FlashInfer engines whose kept counts may move by a block with the chunk boundaries.
 ROUNDS_BY_CHUNKING = {"fi_chunked", "fi_shared"}
 BLOCK = ENGINE_KWARGS["uniprefill_block_size"]
@@ -112,7 +122,7 @@ def _meta(rec) -> dict:
     return rec["uniprefill"][-1]
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("name", SCORED)
 def test_top_p_one_is_token_identical_to_dense(results, name):
     res = results[name]
     assert _meta(res["full"])["enabled"], _meta(res["full"])
@@ -128,7 +138,7 @@ def _within_a_block(got: list, want: list) -> bool:
     return len(got) == len(want) and all(abs(g - w) <= BLOCK for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("name", SCORED)
 def test_forced_keep_drops_and_batches_alike(results, name):
     res = results[name]
     meta = _meta(res["forced"])
@@ -157,7 +167,10 @@ def test_gpu_backends_keep_what_torch_native_keeps(results, name):
             assert _within_a_block(_meta(res[key])["kept_tokens"],
                                    _meta(want[key])["kept_tokens"]), key
         else:
-            assert _digest(res[key]) == _digest(want[key]), key
+            # The first drop exactly; the second within a block (see the module's docstring).
+            assert _digest(res[key])[0] == _digest(want[key])[0], key
+            assert _within_a_block(_meta(res[key])["kept_tokens"],
+                                   _meta(want[key])["kept_tokens"]), key
 
 
 @pytest.mark.parametrize("name", ["tr_pos", "fi_pos"])
