@@ -50,7 +50,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
                                 allocator=model_runner.token_to_kv_pool_allocator)
     runtime.dense_reason = schedule.dense_reason
     runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
-    runtime.parking.cost = _rejoin_cost(model_runner)
+    runtime.parking.cost = _rejoin_cost(model_runner, schedule.facts.entry)
     architectures = list(schedule.facts.architectures)
     if runtime.has_schedule and not model_integration.install(
             model_runner.model, runtime, schedule.facts.entry):
@@ -72,9 +72,9 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     return result
 
 
-def _rejoin_cost(model_runner):
+def _rejoin_cost(model_runner, architecture):
     """What parking a chunked prompt costs in device memory (parking.RejoinCost)."""
-    from uniprefill_sglang.model_integration import query_size
+    from uniprefill_sglang.model_integration import mixer_size, query_size
     from uniprefill_sglang.parking import RejoinCost
     from uniprefill_sglang.runtime import slot_bytes_per_layer
 
@@ -82,7 +82,8 @@ def _rejoin_cost(model_runner):
     return RejoinCost.for_model(
         hidden, query_size(model_runner.model) or hidden,
         max(slot_bytes_per_layer(model_runner.token_to_kv_pool), default=0),
-        model_runner.dtype, model_runner.device)
+        model_runner.dtype, model_runner.device,
+        mixer_size=mixer_size(model_runner.model, architecture.shape.mlp if architecture else "mlp"))
 
 
 def _check_hooks(model_runner) -> None:

@@ -43,6 +43,9 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "selection": _selection(runtime.config),
         "idle": bool(scheduler.is_fully_idle()),
         "parked_requests": len(runtime.parking),
+        # Device memory one rejoining row takes (parking.RejoinCost; None: parking unbounded).
+        "rejoin_row_bytes": (runtime.parking.cost.rejoin_row_bytes
+                             if runtime.parking.cost is not None else None),
         "mixed_forwards": runtime.mixed_forwards,
         "pieced_mlp_calls": runtime.pieced_mlp_calls,
         "scored_tokens": runtime.scored_tokens,

@@ -99,3 +99,12 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
 @pytest.mark.engine
 def test_nothing_left_behind(runs):
     assert_nothing_left(runs)
+
+
+@pytest.mark.engine
+def test_parking_is_priced_at_the_short_convolution_layer(runs):
+    """A rejoining row costs what the costlier layer kind holds alive (parking.RejoinCost): here
+    the conv layer, whose projections (B, C and x in, one out) are wider than the attention
+    layer's. float32 on the CPU engine."""
+    hidden = CONFIG["hidden_size"]
+    assert runs["state"]["rejoin_row_bytes"] == (4 * hidden + 3 * (3 * hidden + hidden)) * 4

@@ -52,6 +52,28 @@ def test_the_h200_observation_is_admitted_and_refused_as_it_ran():
     assert _lot(7.0 * GiB).reserve("32k", 32_768, 0, None)
 
 
+# Qwen3-Next-80B-A3B: hidden 2048, 16 gated query heads of 256 (2 KV heads); its Gated DeltaNet
+# layers project to q/k/v/z (12,288), b/a (64), convolve 8,192 and project back to 2,048.
+QWEN3_NEXT = dict(hidden_size=2048, query_size=16 * 256, kv_row_bytes=2 * 2 * 256 * 2,
+                  dtype=torch.bfloat16)
+QWEN3_NEXT_MIXER = 12_288 + 64 + 8_192 + 2_048
+
+
+def test_a_linear_attention_rejoin_is_priced_at_its_layer_as_it_ran():
+    """On one H200 (7.6 GiB free at the first chunk) a 131,000-token Qwen3-Next prompt at keep
+    0.5 ran out of memory in a GDN layer with 66K rows rejoining: priced as attention, or at
+    twice the GDN projections, it was admitted; at three times it is refused (its chunks then
+    run as stock SGLang's, and its final chunk drops among its own tokens)."""
+    tokens = 131_000
+    keep_half = rejoin_bound(CONFIG, _decision((0.5, 0.8)), tokens)
+    assert _lot(7.6 * GiB, **QWEN3_NEXT).reserve("keep", tokens, 0, keep_half)
+    as_mixer = _lot(7.6 * GiB, **QWEN3_NEXT, mixer_size=QWEN3_NEXT_MIXER)
+    assert not as_mixer.reserve("keep", tokens, 0, keep_half)
+    assert "GiB of device memory" in as_mixer.refused["keep"]
+    # A 16K prompt still parks there, whatever rejoins.
+    assert _lot(7.6 * GiB, **QWEN3_NEXT, mixer_size=QWEN3_NEXT_MIXER).reserve("16k", 16_384, 0)
+
+
 def test_every_row_may_rejoin_under_top_p_or_a_dropped_mass_bound():
     assert rejoin_bound(CONFIG, _decision(), 10_000) is None
     assert rejoin_bound(CONFIG, _decision((0.3,), max_dropped_mass=0.05), 10_000) is None
@@ -64,11 +86,14 @@ def test_need_counts_parked_and_rejoining_rows_on_fresh_shapes():
     for _ in range(20):
         hidden, query = rng.choice((64, 576, 2048, 5120)), rng.choice((64, 576, 4096))
         kv, dtype = rng.randrange(0, 4096), rng.choice((torch.float32, torch.bfloat16))
-        cost = RejoinCost.for_model(hidden, query, kv, dtype, device="cpu")
+        mixer = rng.choice((0, 0, 256, 4 * hidden, 22_592))
+        cost = RejoinCost.for_model(hidden, query, kv, dtype, device="cpu", mixer_size=mixer)
         act = torch.empty((), dtype=dtype).element_size()
         parked, rejoin = rng.randrange(0, 200_000), rng.randrange(0, 200_000)
-        assert cost.need(parked, rejoin) == (parked * 2 * hidden * act
-                                             + rejoin * ((4 * hidden + 3 * query) * act + kv))
+        # The costlier layer kind: attention, or (where there is one) the mixer layer.
+        row = max((4 * hidden + 3 * query) * act + kv,
+                  (4 * hidden + 3 * mixer) * act if mixer else 0)
+        assert cost.need(parked, rejoin) == parked * 2 * hidden * act + rejoin * row
         assert cost.free_bytes() is None  # nothing bounds the CPU engine
 
 

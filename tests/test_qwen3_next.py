@@ -172,3 +172,17 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
 @pytest.mark.engine
 def test_nothing_left_behind(runs):
     assert_nothing_left(runs)
+
+
+@pytest.mark.engine
+def test_parking_is_priced_at_the_gated_deltanet_layer(runs):
+    """A rejoining row costs what the costlier layer kind holds alive (parking.RejoinCost): here
+    the GDN layer, whose projections (q/k/v/z, b/a, the convolution, the output) are wider than
+    the attention layer's. float32 on the CPU engine."""
+    c = CONFIG
+    keys, values = (c["linear_num_key_heads"] * c["linear_key_head_dim"],
+                    c["linear_num_value_heads"] * c["linear_value_head_dim"])
+    projections = ((2 * keys + 2 * values) + 2 * c["linear_num_value_heads"]
+                   + (2 * keys + values) + c["hidden_size"])
+    assert runs["state"]["rejoin_row_bytes"] == (4 * c["hidden_size"] + 3 * projections) * 4
+

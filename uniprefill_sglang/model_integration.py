@@ -67,6 +67,32 @@ def query_size(model: nn.Module):
     return None
 
 
+def mixer_size(model: nn.Module, mlp: str = "mlp") -> int:
+    """Outputs per token of the projections (a convolution's included) of the widest decoder
+    layer without attention on this rank: a linear-attention or short-convolution layer, its
+    MLP left out. 0 for a model whose every layer attends."""
+    widest = 0
+    for layer in find_decoder_layers(model) or []:
+        if _find_radix_attention(layer) is not None:
+            continue
+        block = getattr(layer, mlp, None)
+        inside_mlp = set(block.modules()) if isinstance(block, nn.Module) else set()
+        widest = max(widest, sum(_output_width(m) for m in layer.modules()
+                                 if m not in inside_mlp))
+    return widest
+
+
+def _output_width(module: nn.Module) -> int:
+    """Outputs per token of a linear projection on this rank (SGLang's parallel linears or
+    torch's); 0 for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if not (hasattr(module, "input_size") and hasattr(module, "output_size")):
+        return 0  # not a linear of SGLang's either
+    # Column-parallel linears shard their outputs; row-parallel and replicated ones do not.
+    return int(getattr(module, "output_size_per_partition", module.output_size))
+
+
 def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape) -> None:
     original = layer.forward
     signature = inspect.signature(original)

@@ -84,23 +84,34 @@ class RejoinCost:
 
     `parked_row_bytes`: one parked row between chunks (hidden state and residual).
     `rejoin_row_bytes`: one row of the final chunk's step in a layer after the first drop, where
-    every rejoining row is alive at once (hidden state, residual and the norm's output, the
-    q/k/v projection, the attention's two partial outputs, the output projection; the MLP runs in
-    pieces of a chunk, model_integration.py). `free_bytes()`: device memory available now, None
-    where nothing bounds it (the CPU engine). On one H200 (Llama-3.1-8B shape, 7.7 GiB free after
-    start-up) a 131,000-token prompt with half its rows rejoining fitted and with every row
-    rejoining ran out of memory; this count admits the first and refuses the second."""
+    every rejoining row is alive at once, in the costlier of the model's layer kinds (the MLP
+    runs in pieces of a chunk, model_integration.py):
+    * an attention layer: hidden state, residual and the norm's output, the q/k/v projection,
+      the attention's two partial outputs, the output projection;
+    * a linear-attention or short-convolution layer (`mixer_size`: the outputs per token of its
+      projections, its convolution's included): hidden state, residual and norm output, and
+      three times its projections, since the projected rows stay alive while the layer's own
+      kernels allocate their split, convolved and recurrent outputs and workspace.
+    `free_bytes()`: device memory available now, None where nothing bounds it (the CPU engine).
+    On one H200 (Llama-3.1-8B shape, 7.7 GiB free after start-up) a 131,000-token prompt with
+    half its rows rejoining fitted and with every row rejoining ran out of memory; this count
+    admits the first and refuses the second. On one H200 (Qwen3-Next-80B-A3B shape with 128
+    experts, 7.6 GiB free) 66K rejoining rows ran out of memory in a Gated DeltaNet layer, before
+    its recurrence: over 106 KB a row, which twice the projections (and the attention count)
+    admitted; three times refuses them."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
 
     @classmethod
-    def for_model(cls, hidden_size: int, query_size: int, kv_row_bytes: int, dtype, device):
+    def for_model(cls, hidden_size: int, query_size: int, kv_row_bytes: int, dtype, device,
+                  mixer_size: int = 0):
         act = torch.empty((), dtype=dtype).element_size()
         free = _cuda_free_bytes(device) if torch.device(device).type == "cuda" else _no_bound
+        attention_row = (4 * hidden_size + 3 * query_size) * act + kv_row_bytes
+        mixer_row = (4 * hidden_size + 3 * mixer_size) * act if mixer_size else 0
         return cls(parked_row_bytes=2 * hidden_size * act,
-                   rejoin_row_bytes=(4 * hidden_size + 3 * query_size) * act + kv_row_bytes,
-                   free_bytes=free)
+                   rejoin_row_bytes=max(attention_row, mixer_row), free_bytes=free)
 
     def need(self, parked_rows: int, rejoin_rows: int) -> int:
         return parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
