@@ -141,6 +141,21 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": [0.3, 0.6]})
 
 
+def relative_distance(got: list, want: list) -> float:
+    """The largest relative L2 distance between two lists of hidden-state vectors (NaN if
+    either holds a NaN, so that no bound passes it)."""
+    import math
+
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        norm = math.sqrt(sum(y * y for y in b))
+        dist = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)))
+        if dist != dist or norm != norm:
+            return math.nan
+        worst = max(worst, dist / norm if norm else dist)
+    return worst
+
+
 def random_prompts(vocab_size: int, lengths=(3000, 1900)) -> list:
     """Seeded random token ids, one prompt per length (seeds 1, 2, ...)."""
     prompts = []
@@ -151,12 +166,15 @@ def random_prompts(vocab_size: int, lengths=(3000, 1900)) -> list:
 
 
 def forced_keep_workload(engine, prompt: list, other: list, greedy: dict = GREEDY,
-                         forced: dict = FORCED, top2: bool = False) -> dict:
+                         forced: dict = FORCED, top2: bool = False, hidden: bool = False) -> dict:
     """`prompt` dense (UniPrefill off per request), at top-p 1.0 and at a forced keep; `other`
     at the forced keep; both batched; then the idle state and whether decode CUDA graphs were
     on. With `top2`, each output token's two largest log-probabilities too (how close a greedy
-    choice was, where two kernels' bfloat16 rounding may flip it)."""
-    logprob_args = dict(return_logprob=True, top_logprobs_num=2) if top2 else {}
+    choice was, where two kernels' bfloat16 rounding may flip it). With `hidden` (the engine
+    started with `enable_return_hidden_states`), the final hidden state of the prompt's last
+    row and of each decode step for `prompt` alone: they depend on every layer's attention
+    over the survivors, where the top-2 log-probabilities of a random model barely do."""
+    extra = dict(return_logprob=True, top_logprobs_num=2) if top2 else {}
 
     def record(out) -> dict:
         rec = {"output_ids": out["output_ids"], "uniprefill": out["meta_info"]["uniprefill"]}
@@ -165,14 +183,20 @@ def forced_keep_workload(engine, prompt: list, other: list, greedy: dict = GREED
                            for step in out["meta_info"]["output_top_logprobs"]]
         return rec
 
-    def one(ids, params):
-        return record(engine.generate(input_ids=ids, sampling_params=params, **logprob_args))
+    def one(ids, params, with_hidden=False):
+        args = dict(extra, return_hidden_states=True) if with_hidden else extra
+        out = engine.generate(input_ids=ids, sampling_params=params, **args)
+        rec = record(out)
+        if with_hidden:  # the prefill's rows (the survivors' last is the prompt's), then decode
+            states = out["meta_info"]["hidden_states"]
+            rec["hidden"] = [states[0][-1]] + list(states[1:])
+        return rec
 
-    res = {"dense": one(prompt, dict(greedy, custom_params={"uniprefill": False})),
+    res = {"dense": one(prompt, dict(greedy, custom_params={"uniprefill": False}), hidden),
            "full": one(prompt, dict(greedy, custom_params={"uniprefill_top_p": 1.0})),
-           "forced": one(prompt, forced), "other": one(other, forced),
+           "forced": one(prompt, forced, hidden), "other": one(other, forced),
            "batch": [record(o) for o in engine.generate(input_ids=[prompt, other],
-                                                        sampling_params=forced, **logprob_args)]}
+                                                        sampling_params=forced, **extra)]}
     res["state"] = idle_state(engine)
     res["cuda_graph"] = not engine.get_server_info().get("disable_cuda_graph", True)
     return res
