@@ -23,8 +23,10 @@ pytestmark = pytest.mark.engine
 os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
 
 CONTEXT = 3072
-COMMON = dict(enable_uniprefill=True, uniprefill_keep_ratio="0.5", chunked_prefill_size=512,
-              max_prefill_tokens=512, context_length=CONTEXT)
+# One drop at layer 8 whatever the shipped profile says: the pools' split (9 layers, then 21)
+# and the admission pressure below are sized for it.
+COMMON = dict(enable_uniprefill=True, uniprefill_drop_layers="8", uniprefill_keep_ratio="0.5",
+              chunked_prefill_size=512, max_prefill_tokens=512, context_length=CONTEXT)
 # Of the full pool: a stage pool that holds one prompt in prefill plus one that has dropped, so
 # the second prompt waits for the first one's drops (not its end) and the third waits again.
 STAGE_FRACTION = 0.12
@@ -125,8 +127,8 @@ def test_a_fault_after_some_drops_reruns_dense_with_every_stage_slot_back(smollm
     monkeypatch.setenv("UNIPREFILL_TEST_FAULT", "last_drop")
     rng = random.Random(5)
     prompts = [_ids(rng, 1200), _ids(rng, 1500)]
-    engine = make_cpu_engine(smollm2_path, uniprefill_drop_layers="4,12,20",
-                             uniprefill_stage_kv_fraction="0.6,0.4", **COMMON)
+    engine = make_cpu_engine(smollm2_path, **{**COMMON, "uniprefill_drop_layers": "4,12,20"},
+                             uniprefill_stage_kv_fraction="0.6,0.4")
     try:
         faulted = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         state = idle_state(engine)
