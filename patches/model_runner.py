@@ -79,11 +79,11 @@ def _rejoin_cost(model_runner, architecture):
     from uniprefill_sglang.runtime import slot_bytes_per_layer
 
     hidden = model_runner.model_config.hidden_size
+    mlp = architecture.shape.mlp if architecture is not None else "mlp"
     return RejoinCost.for_model(
         hidden, query_size(model_runner.model) or hidden,
         max(slot_bytes_per_layer(model_runner.token_to_kv_pool), default=0),
-        model_runner.dtype, model_runner.device,
-        mixer_size=mixer_size(model_runner.model, architecture.shape.mlp if architecture else "mlp"))
+        model_runner.dtype, model_runner.device, mixer_size=mixer_size(model_runner.model, mlp))
 
 
 def _check_hooks(model_runner) -> None:
