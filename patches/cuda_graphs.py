@@ -1,9 +1,14 @@
-"""Hooks on `sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner`.
+"""Hooks on SGLang's CUDA graph runners (`sglang.srt.model_executor.runner`).
 
-* `can_run_graph` (AROUND), below.
-* `_trim_logits_output` (AROUND): the runner rebuilds the LogitsProcessorOutput of a replayed
-  batch and drops its `customized_info`, where the logits hook (patches/logits.py) reports the
-  per-request UniPrefill decisions (`meta_info["uniprefill"]`); carry it over.
+* `PrefillCudaGraphRunner.can_run_graph` (AROUND), below.
+* `PrefillCudaGraphRunner._trim_logits_output` (AROUND): the runner rebuilds the
+  LogitsProcessorOutput of a replayed batch and drops its `customized_info`, where the logits
+  hook (patches/logits.py) reports the per-request UniPrefill decisions
+  (`meta_info["uniprefill"]`); carry it over.
+* `DecodeCudaGraphRunner.can_run_graph` (AROUND): the adapters' per-stage decode-graph index
+  lists are sized to the KV pool, not to upstream's max batch x context length
+  (backends/common.py `decode_graph_entries`); a decode batch whose sequences hold more entries
+  (requests sharing cached prefix slots) decodes eagerly, counted in `eager_decode_overflows`.
 
 `can_run_graph` (AROUND):
 
@@ -59,10 +64,29 @@ def _keep_customized_info(original, runner, output, *args, **kwargs):
     return trimmed
 
 
+def _decode_can_run_graph(original, runner, forward_batch, *args, **kwargs):
+    from uniprefill_sglang.backends.common import decode_graph_fits, seq_lens_sum
+    from uniprefill_sglang.runtime import get_runtime
+
+    replay = original(runner, forward_batch, *args, **kwargs)
+    runtime = get_runtime()
+    if not replay or runtime is None or not forward_batch.forward_mode.is_decode():
+        return replay
+    padding = runner.max_bs * max(1, int(getattr(runner, "seq_len_fill_value", 1)))
+    if decode_graph_fits(runtime, seq_lens_sum(forward_batch, forward_batch.batch_size), padding):
+        return True
+    runtime.eager_decode_overflows += 1
+    return False
+
+
 _RUNNER = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+_DECODE_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 HOOKS = (
     Hook(f"{_RUNNER}.can_run_graph", "around", _prefill_can_run_graph,
          "a batch that drops, or reads sparse KV, changes its row count mid-forward: eager"),
     Hook(f"{_RUNNER}._trim_logits_output", "around", _keep_customized_info,
          "a replayed batch's logits output keeps the per-request UniPrefill report"),
+    Hook(f"{_DECODE_RUNNER}.can_run_graph", "around", _decode_can_run_graph,
+         "per-stage decode-graph index lists are sized to the KV pool: a batch holding more "
+         "entries (shared cached prefixes) decodes eagerly"),
 )

@@ -7,8 +7,10 @@
   the stage pools' invariant check (`kv_pool_problems`, empty when sound), how often
   admission was retried because drops gave stage memory back (`admission_retries`), and how
   many attention-view buffers were made in a request's path after start-up made the others
-  (`views_allocated_late`: each is an allocation a request waited for), and torch's CUDA
-  allocator retries (`device_alloc_retries`: a step that met one waited for its cache release).
+  (`views_allocated_late`: each is an allocation a request waited for), decode steps that ran
+  eagerly because their per-stage lists outgrew the decode graph's (`eager_decode_overflows`,
+  patches/cuda_graphs.py), and torch's CUDA allocator retries (`device_alloc_retries`: a step
+  that met one waited for its cache release).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 * `SchedulerBatchResultProcessor.process_batch_result_prefill` (BEFORE): a request UniPrefill
   could not recompute after a failure in its own code (patches/model_runner.py) finishes with
@@ -55,6 +57,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "kv_pools": runtime.kv_pool_report(scheduler.token_to_kv_pool_allocator),
         "admission_retries": admission_retries(scheduler),
         "views_allocated_late": runtime.views_allocated_late,
+        "eager_decode_overflows": runtime.eager_decode_overflows,
         "device_alloc_retries": _device_alloc_retries(),
     }
     if state["uniprefill"]["idle"] and runtime.slots.staged:

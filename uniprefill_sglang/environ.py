@@ -93,6 +93,10 @@ HYBRID_PREFIX_CACHE = Flag(
     "re-selected, so the prefix checkpoint is refused); tested on the CPU engine with "
     "Qwen3-Next and LFM2 and on an H200 with Qwen3-Next, on SGLang 0.5.17; without it such a "
     "family runs with the radix cache off")
+DECODE_GRAPH_ENTRIES = Text(
+    "UNIPREFILL_DECODE_GRAPH_ENTRIES",
+    "test only: entries of each per-stage decode-graph index list (default: two KV pools' "
+    "worth, at most upstream's width); a decode batch whose lists hold more runs eagerly")
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")
@@ -104,5 +108,5 @@ CPU_ENGINE = Text(
     "the CPU engine when CUDA is absent)")
 
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
-       TEST_SELECTION, FLASHINFER_SLIDING_WINDOW, HYBRID_PREFIX_CACHE, CACHE, SGL_KERNEL_STUB_DIR,
-       REPO_ROOT, CPU_ENGINE)
+       TEST_SELECTION, FLASHINFER_SLIDING_WINDOW, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES,
+       CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

@@ -52,6 +52,7 @@ class SlotStages:
         if num_drops > 126:
             raise ValueError("at most 126 drop layers fit the int8 stage map")
         self.full = num_drops
+        self.num_slots = num_slots
         self.slot_stage = torch.full((num_slots,), num_drops, dtype=torch.int8, device=device)
         self.stages_after_first = torch.arange(1, num_drops + 1, dtype=torch.int8, device=device)
         self.pools = pools

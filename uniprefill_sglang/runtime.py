@@ -93,6 +93,11 @@ class UniPrefillRuntime:
         self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
         # Attention-view buffers an adapter made in a request's path after start-up made them.
         self.views_allocated_late = 0
+        # Entries of the decode graphs' per-stage index lists (backends/common.py
+        # `decode_graph_entries`; None: none captured), and decode steps run eagerly because a
+        # batch's lists held more.
+        self.decode_graph_entries = None
+        self.eager_decode_overflows = 0
 
     @property
     def has_schedule(self) -> bool:

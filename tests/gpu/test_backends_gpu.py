@@ -85,11 +85,16 @@ ENGINES = {
     # The shared KV layout (the default under top-p): a sparse cached prefix read through views
     # inside the breakable prefill graph.
     "flashinfer_shared": dict(attention_backend="flashinfer", uniprefill_kv_layout="shared"),
+    # Per-stage decode-graph lists of 1,024 entries: a decode batch of two or more prompts
+    # outgrows them and decodes eagerly, a single request replays its graph.
+    "flashinfer_small_lists": dict(attention_backend="flashinfer"),
 }
-ENGINE_ENV = {"flashinfer_paged": {"SGLANG_FLASHINFER_USE_PAGED": "1"}}
+ENGINE_ENV = {"flashinfer_paged": {"SGLANG_FLASHINFER_USE_PAGED": "1"},
+              "flashinfer_small_lists": {"UNIPREFILL_DECODE_GRAPH_ENTRIES": "1024"}}
 GPU_BACKENDS = ["flashinfer", "flashinfer_nograph", "triton", "flashinfer_paged",
-                "flashinfer_shared"]
-GRAPH_BACKENDS = ["flashinfer", "triton", "flashinfer_paged", "flashinfer_shared"]
+                "flashinfer_shared", "flashinfer_small_lists"]
+GRAPH_BACKENDS = ["flashinfer", "triton", "flashinfer_paged", "flashinfer_shared",
+                  "flashinfer_small_lists"]
 META = "uniprefill"
 TIMEOUT_S = 270  # all engines, start-up included
 WORKLOAD_TIMEOUT_S = 120
@@ -469,6 +474,18 @@ def test_flashinfer_views_made_at_start_up(results, backend):
     configuration uses, eager decode views) was made at start-up, none in a request's path:
     each holds 8 MiB of device and 8 MiB of pinned host workspace to allocate."""
     assert results[backend]["state"]["views_allocated_late"] == 0
+
+
+def test_decode_batches_past_the_graph_lists_run_eagerly_alike(results):
+    """The per-stage decode-graph lists are sized to the KV pool (backends/common.py
+    `decode_graph_entries`); a batch holding more entries decodes eagerly, with the graphs'
+    tokens."""
+    small, full = results["flashinfer_small_lists"], results["flashinfer"]
+    assert small["state"]["eager_decode_overflows"] > 0
+    assert full["state"]["eager_decode_overflows"] == 0
+    a, b = _outputs(small), _outputs(full)
+    for name in a:
+        assert a[name]["output_ids"] == b[name]["output_ids"], name
 
 
 if __name__ == "__main__":

@@ -104,6 +104,35 @@ def stages_after_first(runtime) -> List[int]:
     return list(range(1, runtime.stages.num_drops + 1))
 
 
+# A decode CUDA graph's per-stage index lists hold this many KV pools' worth of entries, not
+# upstream's max batch x context length (one copy per stage: 0.8 GB on the Llama-3.1-8B shape
+# with six drops, 3 GB on Qwen3-Next's). A batch's lists exceed one pool only where requests
+# share cached prefix slots; one that exceeds the lists decodes eagerly (patches/cuda_graphs.py).
+DECODE_GRAPH_POOLS = 2
+
+
+def decode_graph_entries(runtime, upstream_entries: int, floor: int = 0) -> int:
+    """Entries of each per-stage decode-graph index list: `DECODE_GRAPH_POOLS` pools (or
+    `UNIPREFILL_DECODE_GRAPH_ENTRIES`), at most upstream's width, at least `floor` (lists
+    that do not scale with the pool, such as one window per request). Recorded on the runtime,
+    whose smallest list decides which decode batches replay a graph."""
+    from uniprefill_sglang import environ
+
+    wanted = environ.DECODE_GRAPH_ENTRIES.get()
+    pools = int(wanted) if wanted else DECODE_GRAPH_POOLS * runtime.slots.num_slots
+    entries = max(floor, min(upstream_entries, pools))
+    known = runtime.decode_graph_entries
+    runtime.decode_graph_entries = entries if known is None else min(known, entries)
+    return entries
+
+
+def decode_graph_fits(runtime, seq_lens_sum: int, max_padding_rows: int) -> bool:
+    """Do a decode batch's per-stage lists fit the graph's (its sequences plus padding rows of
+    at most one entry each)? True when no list was sized (no graph captured with UniPrefill)."""
+    entries = None if runtime is None else runtime.decode_graph_entries
+    return entries is None or seq_lens_sum + max_padding_rows <= entries
+
+
 def seq_lens_sum(fb, bs: int) -> int:
     """Tokens of the first `bs` sequences, from host copies when the batch has them."""
     if getattr(fb, "seq_lens_cpu", None) is not None:

@@ -50,6 +50,7 @@ from uniprefill_sglang import environ
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
+    decode_graph_entries,
     decode_has_sparse,
     decode_needs_views,
     decode_stage_kv_lens,
@@ -86,7 +87,8 @@ class _State:
         self.decode_wrappers: Dict[int, object] = {}
         self.prepared = False  # the wrappers above were made at start-up (`prepare`)
         # Decode CUDA graphs: per-stage static buffers and shared int workspaces.
-        # Decode CUDA graphs: row k is stage k + 1 ([D, max_bs + 1] and [D, max_kv_tokens]).
+        # Decode CUDA graphs: row k is stage k + 1 ([D, max_bs + 1] and [D, entries], entries
+        # from `decode_graph_entries`).
         self.graph_indptr: Optional[torch.Tensor] = None
         self.graph_indices: Optional[torch.Tensor] = None
         self.graph_int_ws: Dict[int, tuple] = {}
@@ -440,8 +442,9 @@ def init_cuda_graph_state(result, backend, *args, **kwargs):
     st = ADAPTER.state(backend)
     base_indices = backend.cuda_graph_kv_indices[0]
     num_stages = runtime.stages.num_drops
+    entries = decode_graph_entries(runtime, base_indices.numel())
     st.graph_indptr = backend.kv_indptr[0].new_zeros((num_stages, backend.kv_indptr[0].numel()))
-    st.graph_indices = base_indices.new_zeros((num_stages, base_indices.numel()))
+    st.graph_indices = base_indices.new_zeros((num_stages, entries))
     window = _model_window(backend)
     if window is not None:
         max_bs = backend.kv_indptr[0].numel() - 1

@@ -35,6 +35,7 @@ import torch
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
+    decode_graph_entries,
     decode_has_sparse,
     decode_needs_views,
     extend_needs_view,
@@ -229,10 +230,14 @@ def init_cuda_graph_state(result, backend, *args, **kwargs):
         return result
     st = ADAPTER.state(backend)
     stages = stages_after_first(runtime)
-    rows = len(stages) if _model_window(backend) is None else 2 * len(stages) + 1
+    window = _model_window(backend)
+    rows = len(stages) if window is None else 2 * len(stages) + 1
+    max_bs = backend.kv_indptr.numel() - 1
+    # The window rows hold at most window + 1 entries per request, whatever the pool's size.
+    entries = decode_graph_entries(runtime, backend.cuda_graph_kv_indices.numel(),
+                                   floor=0 if window is None else max_bs * (window + 1))
     st.graph_indptr = backend.kv_indptr.new_zeros((rows, backend.kv_indptr.numel()))
-    st.graph_indices = backend.cuda_graph_kv_indices.new_zeros(
-        (rows, backend.cuda_graph_kv_indices.numel()))
+    st.graph_indices = backend.cuda_graph_kv_indices.new_zeros((rows, entries))
     st.graph_splits = backend.cuda_graph_num_kv_splits.new_full(
         (len(stages), backend.cuda_graph_num_kv_splits.numel()), backend.max_kv_splits)
     return result
