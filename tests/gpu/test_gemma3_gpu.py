@@ -48,8 +48,14 @@ model cannot tell a window error from rounding. The final hidden states can: the
 engines also report the prompt's last row and each decode step's (`enable_return_hidden_states`),
 which dropping half the prompt moves by about 10% (torch_native, float32, CPU engine), and each
 GPU backend's distance to torch_native over the same survivors is held to the rounding its
-stock layers show dense. That check is the one UNIPREFILL_FLASHINFER_SLIDING_WINDOW waits for;
-its bounds are first guesses until it has run on a GPU.
+stock layers show dense. On the H200 (2026-12-03) the drop moved torch_native's by 10.7%;
+Triton stayed at 1.05% dense and 1.04% after the drop: its window layers after a drop compute
+torch_native's. FlashInfer's dense run, stock SGLang code throughout, is 48% away from
+torch_native's at the prompt's last row and 34-39% at each decode step (bfloat16, this random
+model), and 47% after the drop: the drop adds nothing measurable, but a baseline that far away
+cannot show an error of the drop's own size, so that check is an expected failure there, and
+UNIPREFILL_FLASHINFER_SLIDING_WINDOW stays experimental until FlashInfer's stock Gemma 3 layers
+are understood.
 """
 
 from __future__ import annotations
@@ -205,7 +211,12 @@ def test_gpu_backends_compute_alike_over_the_same_survivors(results, name):
     print(f"{name}: hidden states' relative distance to torch_native dense {rounding:.4f}, "
           f"forced {after_drop:.4f}; the drop's own effect {drop_effect:.4f}")
     assert drop_effect > 0.03, "the probe would not see a change in the layers after a drop"
-    assert after_drop <= 2 * rounding + 0.01 and after_drop < drop_effect / 3
+    assert after_drop <= 2 * rounding + 0.01  # the drop adds no error beyond the stock layers'
+    if rounding >= drop_effect / 3:
+        pytest.xfail(f"{name}'s dense run is {rounding:.3f} from torch_native's, a third of the "
+                     f"drop's own effect ({drop_effect:.3f}) or more: the probe cannot tell an "
+                     f"error of that size after the drop")
+    assert after_drop < drop_effect / 3
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
