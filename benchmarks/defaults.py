@@ -171,12 +171,14 @@ class Workloads:
                                           "median_s": _median(times)}
 
     def singles(self) -> None:
-        """Each length's prompts, one at a time: `--repeats` fresh prompts up to 32K tokens (one
-        above), their median and the first. The plugin's rows also time each prompt dense in
-        the same engine (UniPrefill off per request): the engine's own share of a difference."""
+        """Each length's prompts, one at a time: `--repeats` fresh prompts up to 32K tokens
+        (`--long-repeats` above), their median and the first. The plugin's rows also time each
+        prompt dense in the same engine (UniPrefill off per request): the engine's own share of a
+        difference."""
         self.result["single"] = {}
         for n in self.lengths if "single" in self.todo else []:
-            prompts = [self.ids(n) for _ in range(self.args.repeats if n <= 32768 else 1)]
+            prompts = [self.ids(n) for _ in range(
+                self.args.repeats if n <= 32768 else self.args.long_repeats)]
             times, dense_times = [], []
             for prompt in prompts:
                 seconds, out = _timed(self.engine, prompt, self.ONE_TOKEN)
@@ -187,9 +189,14 @@ class Workloads:
                         "uniprefill": False}})
                     dense_times.append(round(seconds, 4))
                     self.flush()
+                # Saved as it goes: a long prompt's row is worth keeping if a later one is cut.
+                self.result["single"][str(n)] = {"all_s": times, "dense_same_engine_all_s":
+                                                 dense_times, "partial": True, **_meta(out)}
+                self.save()
             row = {"ttft_s": _median(times), "first_s": times[0], "all_s": times, **_meta(out)}
             if dense_times:
                 row["dense_same_engine_s"] = _median(dense_times)
+                row["dense_same_engine_all_s"] = dense_times
             if self.plugin and n == max(self.lengths):
                 row["top_p_1"] = self.top_p_1_against_dense(prompts[-1])
             self.result["single"][str(n)] = row
@@ -239,9 +246,13 @@ class Workloads:
             self.save()
 
     def decode(self, prompt: list) -> None:
-        """Inter-token latency: 65 tokens less the first one's time, over 64."""
+        """Inter-token latency: 65 tokens less the first one's time, over 64. The prompt runs
+        once before either is timed: where decode is the only workload its first prefill would
+        pay the first-request costs and shrink the difference."""
         if "decode" not in self.todo:
             return
+        _timed(self.engine, prompt, self.ONE_TOKEN)
+        self.flush()
         t_first, _ = _timed(self.engine, prompt, self.ONE_TOKEN)
         self.flush()
         t_all, _ = _timed(self.engine, prompt, {"temperature": 0.0, "max_new_tokens": 65,
@@ -294,6 +305,9 @@ def main() -> None:
                     help="engine processes per configuration, interleaved (see summary)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="fresh prompts per length up to 32K tokens (median reported)")
+    ap.add_argument("--long-repeats", type=int, default=1,
+                    help="fresh prompts per length above 32K; more than one times each dense "
+                         "in the same engine too (the first pays the first-use compilation)")
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
@@ -328,7 +342,7 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--model-path", args.model_path,
                "--lengths", mine["lengths"], "--doc-tokens", args.doc_tokens,
                "--workloads", mine["workloads"], "--follow-ups", str(args.follow_ups),
-               "--repeats", str(args.repeats),
+               "--repeats", str(args.repeats), "--long-repeats", str(args.long_repeats),
                "--attention-backend", args.attention_backend, "--seed", str(args.seed),
                "--batch-sizes", args.batch_sizes, "--extra", args.extra, "--device", args.device,
                "--out", args.out, "--one-config", name, "--partial", partial]
