@@ -50,6 +50,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
                              if runtime.parking.cost is not None else None),
         "mixed_forwards": runtime.mixed_forwards,
         "pieced_mlp_calls": runtime.pieced_mlp_calls,
+        "pieced_mixer_calls": runtime.pieced_mixer_calls,
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
         "private_prefix_slots": runtime.prefix_reuse.private.held,

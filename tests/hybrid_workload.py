@@ -2,7 +2,8 @@
 
 * `run_hybrid_workload` (CPU engine): one prompt dense (UniPrefill off per request), at top-p
   1.0 and at a forced keep; another prompt at the forced keep; both batched; then, on an engine
-  chunking at 128 tokens, the first prompt at the forced keep and at top-p 1.0. Each engine's
+  chunking at 128 tokens, the first prompt at the forced keep, at top-p 1.0 and dense (the last
+  two with log-probabilities). Each engine's
   idle state is recorded after its requests.
 * `prefix_cache_workload` (CPU engine and GPU, the radix cache on): a cached document and a
   second conversation turn, asked dense and with UniPrefill over the same cached prefix
@@ -43,7 +44,9 @@ def run_hybrid_workload(make_engine, prompt: list, other: list, greedy: dict,
     try:
         out["chunked"] = engine.generate(input_ids=prompt, sampling_params=forced)
         out["chunked_full"] = engine.generate(input_ids=prompt, sampling_params=dict(
-            greedy, custom_params={"uniprefill_top_p": 1.0}))
+            greedy, custom_params={"uniprefill_top_p": 1.0}), return_logprob=True)
+        out["chunked_dense"] = engine.generate(input_ids=prompt, sampling_params=dict(
+            greedy, custom_params={"uniprefill": False}), return_logprob=True)
         out["chunked_state"] = idle_state(engine)
     finally:
         engine.shutdown()

@@ -39,6 +39,11 @@ class DecoderShape:
     position_inputs: Tuple[Tuple[str, str], ...] = ()
     # The layer's MLP (or MoE block): row-wise, so it may run over the rows in pieces.
     mlp: str = "mlp"
+    # A linear-attention layer's mixer, called as mixer(hidden_states, forward_batch): it runs
+    # over the rows in pieces in position order, each piece starting from the recurrent and
+    # convolution state the one before it left, as chunked prefill's chunks do. None: no such
+    # layer, or one that runs over every row at once.
+    linear_mixer: Optional[str] = None
 
 
 # Llama, Mistral, Qwen2, Qwen3: input_layernorm -> self_attn -> post_attention_layernorm(h, res)
@@ -55,6 +60,8 @@ GEMMA3 = DecoderShape(
 # feed_forward; called as layer(layer_id=, positions=, hidden_states=, residual=, forward_batch=),
 # where `residual` is the previous layer's input (non-None from the second layer on).
 LFM2 = DecoderShape(residual_norm=None, mlp="feed_forward")
+# Qwen3-Next: the Llama shape, and Gated DeltaNet layers whose mixer is `linear_attn`.
+QWEN3_NEXT = DecoderShape(residual_norm="post_attention_layernorm", linear_mixer="linear_attn")
 
 
 def scaled_reference_layers(num_layers: int, full_layers: Sequence[int] = ()) -> tuple:
@@ -117,7 +124,7 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     # its code records (there disabled). On that shape with random weights, one H200, keep
     # 0.5/0.8, it gave 1.11 / 1.65 / 1.94x TTFT at 8K / 32K / 64K, where the Gemma 3 rule
     # (from 60% depth: 31, 35, 39, 43) gave 1.08 / 1.13 / 1.19x (benchmarks/README.md).
-    Architecture(frozenset({"Qwen3NextForCausalLM"}), LLAMA,
+    Architecture(frozenset({"Qwen3NextForCausalLM"}), QWEN3_NEXT,
                  layer_kinds=frozenset({FULL_ATTENTION, LINEAR_ATTENTION}),
                  default_drop_layers=full_layers_from_layer(7, of_depth=48),
                  recurrent_state=True),

@@ -13,7 +13,7 @@ layer's attention). Beside the survivors it carries the per-stage KV the attenti
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -64,6 +64,9 @@ class DropContext:
     report: "DropReport" = dataclasses.field(default_factory=lambda: DropReport())
     # Attention adapters' per-forward views (planned once, run by every layer of a stage).
     views: Dict[str, dict] = dataclasses.field(default_factory=dict)
+    # Rows [start, end) of the current survivors that a layer run in pieces is running now
+    # (model_integration.py); None: the whole batch.
+    row_piece: Optional[Tuple[int, int]] = None
 
     @property
     def acts(self) -> bool:

@@ -12,9 +12,10 @@ inputs of each family. Three per-instance wrappers are enough:
     and position inputs (RoPE cos/sin recomputed for them) and, as a fallback, gathers inputs
     that still have the pre-drop row count.
 The first drop layer's residual norm also saves every row's residual stream for prefix
-re-selection (prefix_checkpoint.py). From the first drop layer on, the MLP runs in pieces of at
-most the chunk size while the batch is compacted: the rows of earlier chunks that rejoin at the
-final chunk's first drop must not make a step's MLP activations larger than a chunk's.
+re-selection (prefix_checkpoint.py). From the first drop layer on, the MLP (and after it a
+linear-attention layer's mixer, in position order) runs in pieces of at most the chunk size
+while the batch is compacted: the rows of earlier chunks that rejoin at the final chunk's first
+drop must not make a step's activations there larger than a chunk's.
 """
 
 from __future__ import annotations
@@ -214,15 +215,49 @@ def _wrap_mlp(mlp: nn.Module, runtime) -> None:
         if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
             return original(hidden_states, *args, **kwargs)
         runtime.pieced_mlp_calls += 1
-        out = None
-        for start in range(0, n, piece_rows):
-            piece = original(hidden_states[start:start + piece_rows], *args, **kwargs)
-            if out is None:
-                out = piece.new_empty((n,) + tuple(piece.shape[1:]))
-            out[start:start + piece.shape[0]] = piece
-        return out
+        return _in_pieces(original, hidden_states, piece_rows, args, kwargs)
 
     mlp.forward = forward
+
+
+def _in_pieces(original, hidden_states, piece_rows: int, args, kwargs, ctx=None):
+    """original(rows, *args, **kwargs) over consecutive pieces of at most `piece_rows` rows,
+    written into one output; each piece's rows are named on `ctx.row_piece` while it runs."""
+    n, out = hidden_states.shape[0], None
+    for start in range(0, n, piece_rows):
+        end = min(n, start + piece_rows)
+        if ctx is not None:
+            ctx.row_piece = (start, end)
+        piece = original(hidden_states[start:end], *args, **kwargs)
+        if out is None:
+            out = piece.new_empty((n,) + tuple(piece.shape[1:]))
+        out[start:end] = piece
+    return out
+
+
+def _wrap_linear_mixer(mixer: nn.Module, runtime) -> None:
+    """A linear-attention mixer over at most `runtime.piece_rows` rows at a time, in position
+    order: the drop context's `row_piece` tells the layer's backend adapter which rows it runs
+    (backends/linear_attention.py), and each piece continues the state the one before it left.
+    Its projections, convolution and recurrence then hold a piece's activations, not those of
+    every rejoining row."""
+    original = mixer.forward
+
+    @functools.wraps(original)
+    def forward(hidden_states, forward_batch, *args, **kwargs):
+        ctx = current()
+        n = hidden_states.shape[0]
+        if (ctx is None or not ctx.is_extend or not ctx.compacted or n <= runtime.piece_rows
+                or hidden_states.dim() != 2):
+            return original(hidden_states, forward_batch, *args, **kwargs)
+        runtime.pieced_mixer_calls += 1
+        try:
+            return _in_pieces(original, hidden_states, runtime.piece_rows,
+                              (forward_batch, *args), kwargs, ctx)
+        finally:
+            ctx.row_piece = None
+
+    mixer.forward = forward
 
 
 def install(model: nn.Module, runtime, architecture) -> bool:
@@ -247,6 +282,9 @@ def install(model: nn.Module, runtime, architecture) -> bool:
         mlp = getattr(layer, shape.mlp, None)
         if i >= first and isinstance(mlp, nn.Module) and runtime.piece_rows > 0:
             _wrap_mlp(mlp, runtime)
+        mixer = getattr(layer, shape.linear_mixer, None) if shape.linear_mixer else None
+        if i > first and isinstance(mixer, nn.Module) and runtime.piece_rows > 0:
+            _wrap_linear_mixer(mixer, runtime)
     for layer, attn in attending:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]

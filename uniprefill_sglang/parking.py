@@ -98,7 +98,10 @@ class RejoinCost:
     admits the first and refuses the second. On one H200 (Qwen3-Next-80B-A3B shape with 128
     experts, 7.6 GiB free) 66K rejoining rows ran out of memory in a Gated DeltaNet layer, before
     its recurrence: over 106 KB a row, which twice the projections (and the attention count)
-    admitted; three times refuses them."""
+    admitted; three times refuses them. Qwen3-Next's GDN mixers after the first drop now run in
+    pieces of a chunk too (model_integration.py), which bounds their projections and kernels'
+    outputs by a piece; the three-times price is kept, an upper bound there, until the pieced
+    rejoin's peak is measured on a GPU."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]

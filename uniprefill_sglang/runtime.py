@@ -72,10 +72,11 @@ class UniPrefillRuntime:
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
         self.parking = ParkingLot(config.max_parked_tokens)
-        # Rows one MLP call takes at most in a compacted step (model_integration.py): the chunk
-        # size, set by the model runner hook (0: no limit).
+        # Rows one MLP or linear-attention mixer call takes at most in a compacted step
+        # (model_integration.py): the chunk size, set by the model runner hook (0: no limit).
         self.piece_rows = 0
         self.pieced_mlp_calls = 0
+        self.pieced_mixer_calls = 0
         # rid -> why: requests UniPrefill could not answer from complete KV after a failure
         # (patches/scheduler.py finishes them with that error).
         self.failed_requests = {}

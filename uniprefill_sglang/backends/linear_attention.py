@@ -15,6 +15,8 @@ linear layer of a later stage runs with those fields describing them:
   at the first drop, so no row reached this layer before;
 * a chunk that parks in this forward goes on with one row (the logits SGLang expects, then
   discarded): its state slot is left alone (index -1, which the kernels skip).
+* a mixer run in pieces (model_integration.py, `ctx.row_piece`) sees the requests with rows
+  in the piece, each starting from its slot's state where its earlier rows passed before.
 
 Decode steps and the layers before the first drop run upstream code unchanged. The torch
 references of the two operators these fields drive are in `linear_attention_reference.py`.
@@ -40,26 +42,50 @@ class GDNAdapter(StageViewAdapter):
 ADAPTER = GDNAdapter()
 
 
+def piece_members(lens, fixed_lens, piece):
+    """For rows [start, end) of a batch whose requests hold `lens` rows each, in order: the
+    requests with rows there, their rows there, and the rows each passed through the layer
+    before them (its `fixed_lens` and its rows ahead of the piece). `piece` None: every row."""
+    if piece is None:
+        return list(range(len(lens))), list(lens), list(fixed_lens)
+    start, end = piece
+    members, rows, before, first = [], [], [], 0
+    for b, n in enumerate(lens):
+        lo, hi = max(start, first), min(end, first + n)
+        if hi > lo:
+            members.append(b)
+            rows.append(hi - lo)
+            before.append(fixed_lens[b] + lo - first)
+        first += n
+    return members, rows, before
+
+
 def survivors_view(ctx, metadata, fb, stage: int):
-    """(metadata, prefix lens, host row counts) describing the survivors of `ctx` to the linear
-    layers of `stage`: built once per stage per forward (the rows change only at a drop)."""
+    """(metadata, prefix lens, host row counts) describing the survivors of `ctx`, or the rows
+    of its `row_piece`, to the linear layers of `stage`: built once per stage and piece per
+    forward (the rows change only at a drop). A request continues from its slot's state where
+    rows of it passed through the layer before: in earlier forwards, or in earlier pieces."""
     cache = view_cache(ctx, "_uniprefill_gdn_views")
-    if stage in cache:
-        return cache[stage]
+    key = (stage, ctx.row_piece)
+    if key in cache:
+        return cache[key]
     device = metadata.query_start_loc.device
-    lens = torch.tensor(ctx.lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(len(ctx.lens) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=query_start_loc[1:])
+    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
+    query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
     view = copy.copy(metadata)
     view.query_start_loc = query_start_loc.to(device)
+    slots = metadata.mamba_cache_indices
     if ctx.parking.parked_now:
-        slots = metadata.mamba_cache_indices.clone()
+        slots = slots.clone()
         slots[torch.tensor(ctx.parking.parked_now, device=slots.device)] = -1
-        view.mamba_cache_indices = slots
-    prefix_lens = torch.tensor(ctx.fixed_lens, dtype=fb.extend_prefix_lens.dtype).to(
+    if len(members) < len(ctx.lens):
+        slots = slots[torch.tensor(members, device=slots.device)]
+    view.mamba_cache_indices = slots
+    prefix_lens = torch.tensor(before, dtype=fb.extend_prefix_lens.dtype).to(
         fb.extend_prefix_lens.device)
-    cache[stage] = view, prefix_lens, list(ctx.lens)
-    return cache[stage]
+    cache[key] = view, prefix_lens, rows
+    return cache[key]
 
 
 def forward_extend(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
