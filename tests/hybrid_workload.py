@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state
 
 
@@ -107,3 +109,18 @@ def prefix_cache_workload(engine, doc: list, question: list, second: list, greed
     flush_cache(engine)
     out["state"] = idle_state(engine)
     return out
+
+
+def assert_mixers_ran_in_pieces(runs: dict) -> None:
+    """Chunked at 128, the final chunk's step carries the parked rows too (more than 128 after
+    the drop), so the linear-attention or conv layers after it run in pieces of 128 rows, each
+    continuing the state the one before left (model_integration.py). Greedy tokens of a random
+    model hardly move; the log-probabilities of the chosen ones show a piece that starts from an
+    empty state (Qwen3-Next: 7e-3 off). Dense in the same engine chunks at the same 128-row
+    boundaries, so the two differ by rounding only."""
+    assert runs["chunked_state"]["pieced_mixer_calls"] > 0
+    assert runs["state"]["pieced_mixer_calls"] == 0  # chunks of 4096: one piece
+    top_p_1, dense = (torch.tensor([lp for lp, _, _ in runs[key]["meta_info"][
+        "output_token_logprobs"]]) for key in ("chunked_full", "chunked_dense"))
+    assert torch.isfinite(top_p_1).all()
+    torch.testing.assert_close(top_p_1, dense, rtol=0, atol=1e-4)

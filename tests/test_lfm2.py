@@ -12,12 +12,15 @@ survivors:
   chunks park at the first drop and no row of theirs reaches a later conv layer before the final
   chunk: a later layer's conv state covers the survivors in order, or the two would differ;
 * two prompts batched answer as each alone (the survivors' rows are packed per request).
+* chunked at 128, the conv layers after the rejoin run its rows in pieces of 128, each
+  continuing the conv state the one before left (hybrid_workload.assert_mixers_ran_in_pieces).
 """
 
 from __future__ import annotations
 
 import pytest
-from hybrid_workload import assert_nothing_left, random_prompts, run_hybrid_workload
+from hybrid_workload import (assert_mixers_ran_in_pieces, assert_nothing_left, random_prompts,
+                             run_hybrid_workload)
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
 
@@ -94,6 +97,11 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
         [runs["forced"]["output_ids"], runs["other"]["output_ids"]]
     assert [_last(o)["kept_tokens"] for o in runs["batch"]] == \
         [kept, _last(runs["other"])["kept_tokens"]]
+
+
+@pytest.mark.engine
+def test_conv_layers_after_a_rejoin_run_in_pieces(runs):
+    assert_mixers_ran_in_pieces(runs)
 
 
 @pytest.mark.engine

@@ -26,7 +26,8 @@ import random
 
 import pytest
 import torch
-from hybrid_workload import assert_nothing_left, random_prompts, run_hybrid_workload
+from hybrid_workload import (assert_mixers_ran_in_pieces, assert_nothing_left, random_prompts,
+                             run_hybrid_workload)
 
 from uniprefill_sglang.backends import linear_attention_reference as ref
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
@@ -116,8 +117,9 @@ def test_causal_conv_reference_matches_transformers(seed):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_piece_members_match_a_row_by_row_count(seed):
-    """backends/linear_attention.piece_members against counting the piece's rows one by one."""
-    from uniprefill_sglang.backends.linear_attention import piece_members
+    """backends/common.piece_members (the rows of one piece, for the GDN and short-conv
+    adapters) against counting the piece's rows one by one."""
+    from uniprefill_sglang.backends.common import piece_members
 
     rng = random.Random(seed)
     lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
@@ -197,18 +199,7 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
 
 @pytest.mark.engine
 def test_linear_layers_after_a_rejoin_run_in_pieces(runs):
-    """Chunked at 128, the final chunk's step carries the parked rows too (more than 128 after
-    the drop), so the GDN layers after it run in pieces of 128 rows, each continuing the state
-    of the one before; the answers above equal the unchunked and dense ones."""
-    assert runs["chunked_state"]["pieced_mixer_calls"] > 0
-    assert runs["state"]["pieced_mixer_calls"] == 0  # chunks of 4096: one piece
-    # Greedy tokens of this random model hardly move; the log-probabilities of the chosen ones
-    # show a piece that starts from an empty state instead of its predecessor's. Dense in the
-    # same engine chunks at the same 128-row boundaries, so the two differ by rounding only.
-    top_p_1, dense = (torch.tensor([lp for lp, _, _ in runs[key]["meta_info"][
-        "output_token_logprobs"]]) for key in ("chunked_full", "chunked_dense"))
-    assert torch.isfinite(top_p_1).all()
-    torch.testing.assert_close(top_p_1, dense, rtol=0, atol=1e-4)
+    assert_mixers_ran_in_pieces(runs)
 
 
 @pytest.mark.engine

@@ -39,10 +39,10 @@ class DecoderShape:
     position_inputs: Tuple[Tuple[str, str], ...] = ()
     # The layer's MLP (or MoE block): row-wise, so it may run over the rows in pieces.
     mlp: str = "mlp"
-    # A linear-attention layer's mixer, called as mixer(hidden_states, forward_batch): it runs
-    # over the rows in pieces in position order, each piece starting from the recurrent and
-    # convolution state the one before it left, as chunked prefill's chunks do. None: no such
-    # layer, or one that runs over every row at once.
+    # A linear-attention or short-convolution layer's mixer, called as mixer(hidden_states,
+    # forward_batch): it runs over the rows in pieces in position order, each piece starting
+    # from the recurrent and convolution state the one before it left, as chunked prefill's
+    # chunks do. None: the family has no such layer.
     linear_mixer: Optional[str] = None
 
 
@@ -59,7 +59,7 @@ GEMMA3 = DecoderShape(
 # LFM2: operator_norm -> self_attn or conv -> "+ residual" in the layer's own code -> ffn_norm ->
 # feed_forward; called as layer(layer_id=, positions=, hidden_states=, residual=, forward_batch=),
 # where `residual` is the previous layer's input (non-None from the second layer on).
-LFM2 = DecoderShape(residual_norm=None, mlp="feed_forward")
+LFM2 = DecoderShape(residual_norm=None, mlp="feed_forward", linear_mixer="conv")
 # Qwen3-Next: the Llama shape, and Gated DeltaNet layers whose mixer is `linear_attn`.
 QWEN3_NEXT = DecoderShape(residual_norm="post_attention_layernorm", linear_mixer="linear_attn")
 

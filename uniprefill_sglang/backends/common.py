@@ -200,6 +200,24 @@ def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:
         pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v, k_scale, v_scale)
 
 
+def piece_members(lens, fixed_lens, piece):
+    """For rows [start, end) of a batch whose requests hold `lens` rows each, in order: the
+    requests with rows there, their rows there, and the rows each passed through the layer
+    before them (its `fixed_lens` and its rows ahead of the piece). `piece` None: every row."""
+    if piece is None:
+        return list(range(len(lens))), list(lens), list(fixed_lens)
+    start, end = piece
+    members, rows, before, first = [], [], [], 0
+    for b, n in enumerate(lens):
+        lo, hi = max(start, first), min(end, first + n)
+        if hi > lo:
+            members.append(b)
+            rows.append(hi - lo)
+            before.append(fixed_lens[b] + lo - first)
+        first += n
+    return members, rows, before
+
+
 def view_cache(ctx, key: str) -> dict:
     """A per-forward cache on the drop context (views planned once, run by every layer)."""
     return ctx.views.setdefault(key, {})

@@ -28,7 +28,8 @@ import copy
 
 import torch
 
-from uniprefill_sglang.backends.common import StageViewAdapter, active_runtime, view_cache
+from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime, piece_members,
+                                               view_cache)
 from uniprefill_sglang.context import current
 
 
@@ -40,24 +41,6 @@ class GDNAdapter(StageViewAdapter):
 
 
 ADAPTER = GDNAdapter()
-
-
-def piece_members(lens, fixed_lens, piece):
-    """For rows [start, end) of a batch whose requests hold `lens` rows each, in order: the
-    requests with rows there, their rows there, and the rows each passed through the layer
-    before them (its `fixed_lens` and its rows ahead of the piece). `piece` None: every row."""
-    if piece is None:
-        return list(range(len(lens))), list(lens), list(fixed_lens)
-    start, end = piece
-    members, rows, before, first = [], [], [], 0
-    for b, n in enumerate(lens):
-        lo, hi = max(start, first), min(end, first + n)
-        if hi > lo:
-            members.append(b)
-            rows.append(hi - lo)
-            before.append(fixed_lens[b] + lo - first)
-        first += n
-    return members, rows, before
 
 
 def survivors_view(ctx, metadata, fb, stage: int):

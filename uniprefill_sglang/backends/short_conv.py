@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from uniprefill_sglang.backends.common import StageViewAdapter, active_runtime, view_cache
+from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime, piece_members,
+                                               view_cache)
 from uniprefill_sglang.context import current
 
 
@@ -33,17 +34,22 @@ ADAPTER = ShortConvAdapter()
 
 
 def _survivor_fields(ctx, meta) -> dict:
-    """The handle's fields for the survivors: built once per forward (the rows that reach a
-    later stage's conv layers change only at a drop, and every later stage caches its own)."""
+    """The handle's fields for the survivors, or the rows of the drop context's `row_piece`
+    (model_integration.py runs the conv layer in pieces): built once per forward and piece (the
+    rows that reach a later stage's conv layers change only at a drop, and every later stage
+    caches its own). A request resumes its slot's state where rows of it passed through the
+    layer before: in earlier forwards, or in earlier pieces."""
     device = meta.cache_indices.device
-    lens = torch.tensor(ctx.lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(len(ctx.lens) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=query_start_loc[1:])
-    resumes = [n > 0 for n in ctx.fixed_lens]
+    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
+    query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
+    resumes = [n > 0 for n in before]
     slots = meta.cache_indices
     if ctx.parking.parked_now:
         slots = slots.clone()
         slots[torch.tensor(ctx.parking.parked_now, device=device)] = -1
+    if len(members) < len(ctx.lens):
+        slots = slots[torch.tensor(members, device=device)]
     return dict(query_start_loc=query_start_loc.to(device),
                 has_initial_state=torch.tensor(resumes, dtype=torch.bool).to(device),
                 cache_indices=slots,
@@ -60,7 +66,8 @@ def conv_state_metadata(original, backend, layer_id, forward_batch, *args, **kwa
         return meta
     cache = view_cache(ctx, "_uniprefill_short_conv")
     stage = runtime.stages.stage(layer_id)
-    fields = cache.get(stage)
+    key = (stage, ctx.row_piece)
+    fields = cache.get(key)
     if fields is None:
-        fields = cache[stage] = _survivor_fields(ctx, meta)
+        fields = cache[key] = _survivor_fields(ctx, meta)
     return meta._replace(**fields)
