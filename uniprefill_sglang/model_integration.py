@@ -244,16 +244,15 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime) -> None:
     original = mixer.forward
 
     @functools.wraps(original)
-    def forward(hidden_states, forward_batch, *args, **kwargs):
+    def forward(hidden_states, *args, **kwargs):
         ctx = current()
         n = hidden_states.shape[0]
         if (ctx is None or not ctx.is_extend or not ctx.compacted or n <= runtime.piece_rows
                 or hidden_states.dim() != 2):
-            return original(hidden_states, forward_batch, *args, **kwargs)
+            return original(hidden_states, *args, **kwargs)
         runtime.pieced_mixer_calls += 1
         try:
-            return _in_pieces(original, hidden_states, runtime.piece_rows,
-                              (forward_batch, *args), kwargs, ctx)
+            return _in_pieces(original, hidden_states, runtime.piece_rows, args, kwargs, ctx)
         finally:
             ctx.row_piece = None
 
