@@ -54,8 +54,12 @@ torch_native's. FlashInfer's dense run, stock SGLang code throughout, is 48% awa
 torch_native's at the prompt's last row and 34-39% at each decode step (bfloat16, this random
 model), and 47% after the drop: the drop adds nothing measurable, but a baseline that far away
 cannot show an error of the drop's own size, so that check is an expected failure there, and
-UNIPREFILL_FLASHINFER_SLIDING_WINDOW stays experimental until FlashInfer's stock Gemma 3 layers
-are understood.
+UNIPREFILL_FLASHINFER_SLIDING_WINDOW stays experimental. The likely cause, from SGLang 0.5.17's
+code (not yet confirmed on a GPU): a prefill step with no cached prefix runs FlashInfer's ragged
+wrapper, planned without `window_left` and called without it, so the sliding-window layers
+before the first drop (stage 0, upstream code) attend causally to the whole prompt; the paged
+path (`SGLANG_FLASHINFER_USE_PAGED=1`) and decode pass the window (upstream PR #34093 describes
+the same). An engine with the plugin not loaded, with and without that variable, settles it.
 """
 
 from __future__ import annotations
