@@ -3,8 +3,7 @@
 * `run_hybrid_workload` (CPU engine): one prompt dense (UniPrefill off per request), at top-p
   1.0 and at a forced keep; another prompt at the forced keep; both batched; then, on an engine
   chunking at 128 tokens, the first prompt at the forced keep, at top-p 1.0 and dense (the last
-  two with log-probabilities). Each engine's
-  idle state is recorded after its requests.
+  two with log-probabilities). Each engine's idle state is recorded after its requests.
 * `prefix_cache_workload` (CPU engine and GPU, the radix cache on): a cached document and a
   second conversation turn, asked dense and with UniPrefill over the same cached prefix
   (test_hybrid_prefix_cache.py says what each record is for).

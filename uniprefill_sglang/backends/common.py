@@ -7,7 +7,7 @@ serves with `kernels.positional_attention`). The views themselves are built by k
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -216,6 +216,30 @@ def piece_members(lens, fixed_lens, piece):
             before.append(fixed_lens[b] + lo - first)
         first += n
     return members, rows, before
+
+
+class StateLayerRows(NamedTuple):
+    """What a layer with a per-request state (linear attention, short convolution) needs to
+    run the rows of `ctx` (or of its `row_piece`): each member request's rows as offsets on the
+    device, its rows and the rows of it that passed the layer before (host), and its state slot
+    (-1 for a request parking in this forward, whose slot the kernels leave alone)."""
+    query_start_loc: torch.Tensor
+    rows: List[int]
+    before: List[int]
+    slots: torch.Tensor
+
+
+def state_layer_rows(ctx, slots: torch.Tensor) -> StateLayerRows:
+    """`slots`: every request's state slot, as upstream's metadata holds them."""
+    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
+    query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
+    if ctx.parking.parked_now:
+        slots = slots.clone()
+        slots[torch.tensor(ctx.parking.parked_now, device=slots.device)] = -1
+    if len(members) < len(ctx.lens):
+        slots = slots[torch.tensor(members, device=slots.device)]
+    return StateLayerRows(query_start_loc.to(slots.device), rows, before, slots)
 
 
 def view_cache(ctx, key: str) -> dict:

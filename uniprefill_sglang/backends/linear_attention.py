@@ -28,8 +28,8 @@ import copy
 
 import torch
 
-from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime, piece_members,
-                                               view_cache)
+from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime,
+                                               state_layer_rows, view_cache)
 from uniprefill_sglang.context import current
 
 
@@ -52,22 +52,12 @@ def survivors_view(ctx, metadata, fb, stage: int):
     key = (stage, ctx.row_piece)
     if key in cache:
         return cache[key]
-    device = metadata.query_start_loc.device
-    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
-    query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
+    layout = state_layer_rows(ctx, metadata.mamba_cache_indices)
     view = copy.copy(metadata)
-    view.query_start_loc = query_start_loc.to(device)
-    slots = metadata.mamba_cache_indices
-    if ctx.parking.parked_now:
-        slots = slots.clone()
-        slots[torch.tensor(ctx.parking.parked_now, device=slots.device)] = -1
-    if len(members) < len(ctx.lens):
-        slots = slots[torch.tensor(members, device=slots.device)]
-    view.mamba_cache_indices = slots
-    prefix_lens = torch.tensor(before, dtype=fb.extend_prefix_lens.dtype).to(
+    view.query_start_loc, view.mamba_cache_indices = layout.query_start_loc, layout.slots
+    prefix_lens = torch.tensor(layout.before, dtype=fb.extend_prefix_lens.dtype).to(
         fb.extend_prefix_lens.device)
-    cache[key] = view, prefix_lens, rows
+    cache[key] = view, prefix_lens, layout.rows
     return cache[key]
 
 

@@ -7,19 +7,19 @@ SGLang's short-conv backend hands each conv layer its per-step handle through
 request's rows; `has_initial_state`, whether it resumes its slot's state; `cache_indices`, its
 state slot), and the layer runs its own `causal_conv1d_fn` against it. After a drop a conv
 layer of a later stage gets the handle describing the survivors, by the rule of the Gated
-DeltaNet layers (linear_attention.py): rows from `ctx.lens`; a request resumes its slot's
-state only where survivors of earlier forwards passed through this layer (`ctx.fixed_lens` >
-0); a chunk that parks in this forward goes on with one row and leaves its slot alone (index
--1, which the kernel skips). Decode steps and the layers before the first drop get upstream's
-handle.
+DeltaNet layers (linear_attention.py; both read `common.state_layer_rows`): rows from
+`ctx.lens`; a request resumes its slot's state only where survivors of earlier forwards (or
+earlier pieces of this one) passed through this layer; a chunk that parks in this forward goes
+on with one row and leaves its slot alone (index -1, which the kernel skips). Decode steps and
+the layers before the first drop get upstream's handle.
 """
 
 from __future__ import annotations
 
 import torch
 
-from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime, piece_members,
-                                               view_cache)
+from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime,
+                                               state_layer_rows, view_cache)
 from uniprefill_sglang.context import current
 
 
@@ -39,21 +39,12 @@ def _survivor_fields(ctx, meta) -> dict:
     rows that reach a later stage's conv layers change only at a drop, and every later stage
     caches its own). A request resumes its slot's state where rows of it passed through the
     layer before: in earlier forwards, or in earlier pieces."""
-    device = meta.cache_indices.device
-    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
-    query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
-    resumes = [n > 0 for n in before]
-    slots = meta.cache_indices
-    if ctx.parking.parked_now:
-        slots = slots.clone()
-        slots[torch.tensor(ctx.parking.parked_now, device=device)] = -1
-    if len(members) < len(ctx.lens):
-        slots = slots[torch.tensor(members, device=device)]
-    return dict(query_start_loc=query_start_loc.to(device),
-                has_initial_state=torch.tensor(resumes, dtype=torch.bool).to(device),
-                cache_indices=slots,
-                slot_ids_cpu=None if meta.slot_ids_cpu is None else slots.tolist(),
+    layout = state_layer_rows(ctx, meta.cache_indices)
+    resumes = [n > 0 for n in layout.before]
+    return dict(query_start_loc=layout.query_start_loc,
+                has_initial_state=torch.tensor(resumes, dtype=torch.bool).to(layout.slots.device),
+                cache_indices=layout.slots,
+                slot_ids_cpu=None if meta.slot_ids_cpu is None else layout.slots.tolist(),
                 has_prefix_cpu=None if meta.has_prefix_cpu is None else resumes)
 
 
