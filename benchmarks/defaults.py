@@ -136,10 +136,13 @@ class Workloads:
     def ids(self, n: int) -> list:
         return _ids(self.rng, n, self.vocab)
 
+    def plugin_state(self) -> dict:
+        return self.engine.get_server_info()["internal_states"][0].get("uniprefill") or {}
+
     def note_allocator(self, workload: str) -> None:
         """The plugin's count of CUDA allocator retries in the scheduler after `workload` (a
         retry releases torch's cached blocks and costs the step that met it milliseconds)."""
-        state = self.engine.get_server_info()["internal_states"][0].get("uniprefill") or {}
+        state = self.plugin_state()
         if "device_alloc_retries" in state:
             self.result.setdefault("device_alloc_retries", {})[workload] = state[
                 "device_alloc_retries"]
@@ -179,10 +182,12 @@ class Workloads:
         for n in self.lengths if "single" in self.todo else []:
             prompts = [self.ids(n) for _ in range(
                 self.args.repeats if n <= 32768 else self.args.long_repeats)]
-            times, dense_times = [], []
+            times, dense_times, rejoins = [], [], []
             for prompt in prompts:
                 seconds, out = _timed(self.engine, prompt, self.ONE_TOKEN)
                 times.append(round(seconds, 4))
+                if self.plugin:  # the memory its parked rows' rejoin took, if they rejoined
+                    rejoins.append(self.plugin_state().get("last_rejoin"))
                 self.flush()
                 if self.plugin and len(prompts) > 1:
                     seconds, _ = _timed(self.engine, prompt, {**self.ONE_TOKEN, "custom_params": {
@@ -194,6 +199,8 @@ class Workloads:
                                                  dense_times, "partial": True, **_meta(out)}
                 self.save()
             row = {"ttft_s": _median(times), "first_s": times[0], "all_s": times, **_meta(out)}
+            if any(rejoins):
+                row["last_rejoin"] = rejoins
             if dense_times:
                 row["dense_same_engine_s"] = _median(dense_times)
                 row["dense_same_engine_all_s"] = dense_times

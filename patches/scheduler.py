@@ -51,6 +51,7 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "mixed_forwards": runtime.mixed_forwards,
         "pieced_mlp_calls": runtime.pieced_mlp_calls,
         "pieced_mixer_calls": runtime.pieced_mixer_calls,
+        "last_rejoin": runtime.last_rejoin,
         "scored_tokens": runtime.scored_tokens,
         "kept_tokens": runtime.kept_tokens,
         "private_prefix_slots": runtime.prefix_reuse.private.held,

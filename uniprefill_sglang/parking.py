@@ -76,6 +76,22 @@ class ParkingStep:
     # Slots of each parking chunk's last row, which goes on past the first drop (for logits).
     ghost_slots: List[torch.Tensor] = dataclasses.field(default_factory=list)
     finished: List[str] = dataclasses.field(default_factory=list)  # rids whose rows rejoined
+    # Device memory allocated when a rejoining forward began (the allocator's peak was reset to
+    # it), to measure what the rejoin took above it; None off CUDA or without a rejoin.
+    allocated_at_start: Optional[int] = None
+
+
+def start_peak_measure(step: ParkingStep, device) -> None:
+    """Begin measuring a rejoining forward's device-memory peak (allocator statistics only,
+    no device sync)."""
+    if torch.device(device).type == "cuda":
+        step.allocated_at_start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measured_peak(step: ParkingStep, device) -> int:
+    """Bytes the rejoining forward allocated above what it began with, at its peak."""
+    return torch.cuda.max_memory_allocated(device) - step.allocated_at_start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,19 +105,19 @@ class RejoinCost:
     * an attention layer: hidden state, residual and the norm's output, the q/k/v projection,
       the attention's two partial outputs, the output projection;
     * a linear-attention or short-convolution layer (`mixer_size`: the outputs per token of its
-      projections, its convolution's included): hidden state, residual and norm output, and
-      three times its projections, since the projected rows stay alive while the layer's own
-      kernels allocate their split, convolved and recurrent outputs and workspace.
+      projections, its convolution's included): hidden state, residual and norm output, and its
+      projections once. The mixer runs in pieces of a chunk (model_integration.py), so its
+      kernels' outputs and workspace are a piece's, not every rejoining row's.
     `free_bytes()`: device memory available now, None where nothing bounds it (the CPU engine).
     On one H200 (Llama-3.1-8B shape, 7.7 GiB free after start-up) a 131,000-token prompt with
     half its rows rejoining fitted and with every row rejoining ran out of memory; this count
     admits the first and refuses the second. On one H200 (Qwen3-Next-80B-A3B shape with 128
-    experts, 7.6 GiB free) 66K rejoining rows ran out of memory in a Gated DeltaNet layer, before
-    its recurrence: over 106 KB a row, which twice the projections (and the attention count)
-    admitted; three times refuses them. Qwen3-Next's GDN mixers after the first drop now run in
-    pieces of a chunk too (model_integration.py), which bounds their projections and kernels'
-    outputs by a piece; the three-times price is kept, an upper bound there, until the pieced
-    rejoin's peak is measured on a GPU."""
+    experts) 66K rejoining rows ran out of memory in a Gated DeltaNet layer, before its
+    recurrence, when the mixer took every row at once (7.6 GiB free); in pieces of 8,192 rows
+    (2026-12-04) 65,792 rejoining rows took 3.98 GB above the step's start at their peak, 60.4 KB
+    a row, against 61.6 KB priced here (attention's count, 43.0 KB, misses the gate half of its
+    gated query projection; the mixer's count covers it). The runtime reports each rejoin's
+    measured peak beside its price (`last_rejoin` in the scheduler's state)."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
@@ -112,7 +128,7 @@ class RejoinCost:
         act = torch.empty((), dtype=dtype).element_size()
         free = _cuda_free_bytes(device) if torch.device(device).type == "cuda" else _no_bound
         attention_row = (4 * hidden_size + 3 * query_size) * act + kv_row_bytes
-        mixer_row = (4 * hidden_size + 3 * mixer_size) * act if mixer_size else 0
+        mixer_row = (4 * hidden_size + mixer_size) * act if mixer_size else 0
         return cls(parked_row_bytes=2 * hidden_size * act,
                    rejoin_row_bytes=max(attention_row, mixer_row), free_bytes=free)
 

@@ -99,3 +99,12 @@ def test_no_parked_state_or_slot_left(results, name):
     state = results[name]["state"]
     assert state["idle"] and state["parked_requests"] == 0, state
     assert state["available_kv_tokens"] == state["max_total_num_tokens"], state
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
+def test_linear_mixers_rejoin_in_pieces(results, pair):
+    # Chunked at 512, the final chunk's rejoining rows (the whole prompt at top-p 1.0) pass the
+    # linear layers in pieces of the chunk size; unchunked, one piece of at most 8192 rows.
+    whole, chunked = (results[n]["state"] for n in pair)
+    assert chunked["pieced_mixer_calls"] > 0, chunked
+    assert whole["pieced_mixer_calls"] == 0, whole

@@ -26,6 +26,7 @@ pytest.register_assert_rewrite("hybrid_gpu")  # its checks report values when th
 from engine_harness import random_model_results, serve_and_record  # noqa: E402
 from hybrid_gpu import (ENGINES, TIMEOUT_S, VOCAB_SIZE, engine_kwargs,  # noqa: E402,F401
                         run_workload, test_forced_keep_answers_the_same_chunked,
+                        test_linear_mixers_rejoin_in_pieces,
                         test_forced_keep_drops_and_batches_alike, test_no_parked_state_or_slot_left,
                         test_top_p_one_is_token_identical_to_dense)
 
