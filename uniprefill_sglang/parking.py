@@ -116,11 +116,18 @@ class RejoinCost:
     recurrence, when the mixer took every row at once (7.6 GiB free); in pieces of 8,192 rows
     (2026-12-04) 65,792 rejoining rows took 3.98 GB above the step's start at their peak, 60.4 KB
     a row, against 61.6 KB priced here (attention's count, 43.0 KB, misses the gate half of its
-    gated query projection; the mixer's count covers it). The runtime reports each rejoin's
-    measured peak beside its price (`last_rejoin` in the scheduler's state)."""
+    gated query projection; the mixer's count covers it). With `HEADROOM`, a 131K Qwen3-Next
+    prompt whose every row would rejoin (top-p) is refused at the default memory fraction (9.9
+    GiB free) and admitted at 0.85 (17.3 GiB), where no such rejoin has been measured yet. The
+    runtime reports each rejoin's measured peak beside its count (`last_rejoin` in the
+    scheduler's state)."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
+    # What a rejoin must leave free beyond its count, as a fraction of it: the count is of
+    # allocations at the peak, measured on one shape, not of the allocator's blocks around
+    # them, and parked chunks are concatenated once as they rejoin.
+    HEADROOM = 0.25
 
     @classmethod
     def for_model(cls, hidden_size: int, query_size: int, kv_row_bytes: int, dtype, device,
@@ -133,7 +140,10 @@ class RejoinCost:
                    rejoin_row_bytes=max(attention_row, mixer_row), free_bytes=free)
 
     def need(self, parked_rows: int, rejoin_rows: int) -> int:
-        return parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
+        """Bytes counted for `parked_rows` parked and `rejoin_rows` rejoining, headroom
+        included."""
+        count = parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
+        return int(count * (1 + self.HEADROOM))
 
 
 def _no_bound() -> Optional[int]:

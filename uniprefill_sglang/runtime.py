@@ -101,7 +101,7 @@ class UniPrefillRuntime:
         self.eager_decode_overflows = 0
         # The latest rejoin on a GPU: its number (counting from 1), rows through the first later
         # layer, the memory it took above its start at the peak, and what parking.RejoinCost
-        # priced for those rows.
+        # counts for those rows (its headroom left out).
         self.last_rejoin = None
 
     @property
@@ -187,7 +187,7 @@ class UniPrefillRuntime:
         cost = self.parking.cost
         number = self.last_rejoin["number"] + 1 if self.last_rejoin else 1
         self.last_rejoin = {"number": number, "rows": int(rows), "peak_bytes": int(peak),
-                            "priced_bytes": cost.need(0, rows) if cost is not None else None}
+                            "priced_bytes": rows * cost.rejoin_row_bytes if cost is not None else None}
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
