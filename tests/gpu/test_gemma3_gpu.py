@@ -59,7 +59,8 @@ code (not yet confirmed on a GPU): a prefill step with no cached prefix runs Fla
 wrapper, planned without `window_left` and called without it, so the sliding-window layers
 before the first drop (stage 0, upstream code) attend causally to the whole prompt; the paged
 path (`SGLANG_FLASHINFER_USE_PAGED=1`) and decode pass the window (upstream PR #34093 describes
-the same). An engine with the plugin not loaded, with and without that variable, settles it.
+the same). `benchmarks/gemma3_flashinfer_window.py` (stock engines, with and without that
+variable) settles it; what it found so far is in benchmarks/README.md.
 """
 
 from __future__ import annotations
