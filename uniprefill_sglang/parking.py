@@ -120,7 +120,10 @@ class RejoinCost:
     prompt whose every row would rejoin (top-p) is refused at the default memory fraction (9.9
     GiB free) and admitted at 0.85 (17.3 GiB), where no such rejoin has been measured yet. The
     runtime reports each rejoin's measured peak beside its count (`last_rejoin` in the
-    scheduler's state)."""
+    scheduler's state). The count is per row: a piece's own activations (at most a chunk's, as
+    in any chunked step of stock SGLang) are in that measurement, spread over 65,792 rows; a
+    rejoin of a few hundred rows measures above its count (LFM2's GPU test: 592 rows, 6.6 KB a
+    row against 4.1 counted), where memory never bounds it."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
