@@ -75,7 +75,7 @@ def _selection(config) -> dict:
             "keep_ratio": list(config.keep_ratio) if config.keep_ratio else None,
             "block_size": config.block_size, "sink_tokens": config.sink_tokens,
             "last_queries": config.last_queries, "prefix_policy": config.prefix_policy,
-            "profile": config.profile}
+            "max_dropped_mass": config.max_dropped_mass, "profile": config.profile}
 
 
 def _device_alloc_retries():

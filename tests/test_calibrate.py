@@ -219,6 +219,22 @@ def test_a_profile_sets_what_no_flag_sets(tmp_path):
     assert cfg.block_size == DEFAULT_BLOCK_SIZE and cfg.drop_layers is None and cfg.profile is None
 
 
+def test_a_profile_bound_comes_with_its_top_p(tmp_path):
+    """A dropped-mass bound calibrated with the profile's top-p applies with that top-p only;
+    a flag's bound wins."""
+    path = tmp_path / "bound.json"
+    data = json.loads(Path(_write_profile(path)).read_text())
+    data["schedule"]["max_dropped_mass"] = 0.0245
+    path.write_text(json.dumps(data))
+    profile = load_profile(str(path))
+    assert build_config(**FLAGS, profile=profile).max_dropped_mass == 0.0245
+    assert build_config(**{**FLAGS, "max_dropped_mass": 0.01},
+                        profile=profile).max_dropped_mass == 0.01
+    for own_selection in ({"top_p": 0.9}, {"keep_ratio": "0.5"}):
+        assert build_config(**{**FLAGS, **own_selection}, profile=profile).max_dropped_mass is None
+    assert load_profile(_write_profile(tmp_path / "plain.json")).max_dropped_mass is None
+
+
 def test_shipped_profiles_are_found_by_architecture_depth_and_hidden_size(tmp_path):
     _write_profile(tmp_path / "a.json", depth=30, hidden=576)
     _write_profile(tmp_path / "b.json", layers=(3,), depth=24, hidden=576)

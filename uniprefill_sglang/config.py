@@ -69,6 +69,8 @@ class Profile:
     architecture: Optional[str] = None
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
+    # The bound of --uniprefill-max-dropped-mass calibrated with this top-p (None: none).
+    max_dropped_mass: Optional[float] = None
 
     def matches(self, architectures: Sequence[str], num_layers: int, hidden_size: int) -> bool:
         return (self.architecture in architectures and self.num_layers == num_layers
@@ -84,10 +86,15 @@ def load_profile(path: str) -> Profile:
         return Profile(path=str(path), drop_layers=tuple(int(l) for l in schedule["drop_layers"]),
                        top_p=float(schedule["top_p"]), block_size=int(schedule["block_size"]),
                        architecture=model.get("architecture"), num_layers=model.get("num_layers"),
-                       hidden_size=model.get("hidden_size"))
+                       hidden_size=model.get("hidden_size"),
+                       max_dropped_mass=_optional_float(schedule.get("max_dropped_mass")))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UniPrefillConfigError(
             f"--uniprefill-profile {path}: not a readable UniPrefill profile ({e!r})") from None
+
+
+def _optional_float(value) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def find_shipped_profile(architectures: Sequence[str], num_layers: int, hidden_size: int,
@@ -209,8 +216,11 @@ def build_config(
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
     A ``profile`` supplies the drop layers, top-p and block size that no flag sets (None means
-    unset; a keep ratio replaces the profile's top-p)."""
+    unset; a keep ratio replaces the profile's top-p), and its dropped-mass bound where its
+    top-p applies and no flag sets one."""
     if profile is not None:
+        if top_p is None and keep_ratio is None and max_dropped_mass is None:
+            max_dropped_mass = profile.max_dropped_mass
         drop_layers, top_p, block_size = _with_profile(profile, drop_layers, top_p, keep_ratio,
                                                        block_size)
     if block_size is None:
