@@ -8,13 +8,15 @@ that follows (a turned request agrees by construction, the others keep their rec
 
     python benchmarks/dropped_mass_bound.py results/fidelity/eval.json --config uniprefill \\
         --bounds 0.005,0.009,0.0095,0.0098
+    python benchmarks/dropped_mass_bound.py REPORTING.json --tuned-on TUNING.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, List, Sequence
+import math
+from typing import Dict, List, Optional, Sequence
 
 
 def replay_bound(cases: Sequence[dict], config: str, bound: float) -> Dict[str, float]:
@@ -32,6 +34,16 @@ def replay_bound(cases: Sequence[dict], config: str, bound: float) -> Dict[str, 
             "kept_after_first_drop": (sum(k[1] / k[0] for k in left) / len(left)) if left else 1.0}
 
 
+def bound_below_losses(cases: Sequence[dict], config: str) -> Optional[float]:
+    """The largest bound that turns every lost dense-right case of `cases` dense: just below
+    the smallest first-drop mass among them (None when `config` lost none). Read off tuning
+    seeds, it is the bound a profile may carry; replayed on reporting seeds, what it buys."""
+    lost = [c["runs"][config]["dropped_mass"][0] for c in cases
+            if c["dense"]["bench_correct"] and config in c["runs"]
+            and c["runs"][config].get("dropped_mass") and not c["runs"][config]["bench_correct"]]
+    return math.nextafter(min(lost), 0.0) if lost else None
+
+
 def table(rows: List[Dict[str, float]]) -> str:
     out = ["| bound | dense-right cases | turned dense | of them lost without it | agreement "
            "| kept after the first drop (the rest) |", "|---|---|---|---|---|---|"]
@@ -47,9 +59,20 @@ def main() -> None:
     ap.add_argument("result", help="an eval_suite.py JSON result")
     ap.add_argument("--config", default="uniprefill")
     ap.add_argument("--bounds", default="1.0,0.0095,0.009,0.005,0.0")
+    ap.add_argument("--tuned-on", default=None,
+                    help="an eval_suite.py result on tuning seeds: replay the bound read off it "
+                         "(bound_below_losses) instead of --bounds")
     args = ap.parse_args()
     cases = json.load(open(args.result))["cases"]
-    print(table([replay_bound(cases, args.config, float(b)) for b in args.bounds.split(",")]))
+    bounds = [float(b) for b in args.bounds.split(",")]
+    if args.tuned_on:
+        tuned = bound_below_losses(json.load(open(args.tuned_on))["cases"], args.config)
+        if tuned is None:
+            raise SystemExit(f"{args.tuned_on}: {args.config} lost no dense-right case, so no "
+                             "bound can be read off it")
+        print(f"bound read off {args.tuned_on}: {tuned!r}")
+        bounds = [1.0, tuned]
+    print(table([replay_bound(cases, args.config, b) for b in bounds]))
 
 
 if __name__ == "__main__":

@@ -40,3 +40,22 @@ def test_replay_counts_each_case_once():
             r["bench_correct"] for r in runs if r["dropped_mass"][0] <= bound)
     assert replay(cases, "uniprefill", 1.0)["turned_dense"] == 0
     assert replay(cases, "uniprefill", -1.0)["agreement"] == replay(cases, "uniprefill", 0)["cases"]
+
+
+def test_the_bound_read_off_losses_turns_each_of_them_dense():
+    module = _load()
+    rng = random.Random()
+    cases = [_case(rng) for _ in range(60)]
+    bound = module.bound_below_losses(cases, "uniprefill")
+    lost = [c for c in cases if c["dense"]["bench_correct"]
+            and not c["runs"]["uniprefill"]["bench_correct"]]
+    assert lost and bound is not None
+    got = module.replay_bound(cases, "uniprefill", bound)
+    assert got["losses_turned"] == len(lost) and got["agreement"] == got["cases"]
+    # The largest such bound: the smallest lost mass itself would leave that case sparse.
+    smallest = min(c["runs"]["uniprefill"]["dropped_mass"][0] for c in lost)
+    assert bound < smallest
+    assert module.replay_bound(cases, "uniprefill", smallest)["losses_turned"] == len(lost) - 1
+    for c in lost:
+        c["runs"]["uniprefill"]["bench_correct"] = True
+    assert module.bound_below_losses(cases, "uniprefill") is None
