@@ -227,9 +227,10 @@ def test_a_profile_bound_comes_with_its_top_p(tmp_path):
     data["schedule"]["max_dropped_mass"] = 0.0245
     path.write_text(json.dumps(data))
     profile = load_profile(str(path))
-    assert build_config(**FLAGS, profile=profile).max_dropped_mass == 0.0245
-    assert build_config(**{**FLAGS, "max_dropped_mass": 0.01},
-                        profile=profile).max_dropped_mass == 0.01
+    cfg = build_config(**FLAGS, profile=profile)
+    assert cfg.max_dropped_mass == 0.0245 and cfg.bound_from_profile
+    cfg = build_config(**{**FLAGS, "max_dropped_mass": 0.01}, profile=profile)
+    assert cfg.max_dropped_mass == 0.01 and not cfg.bound_from_profile
     for own_selection in ({"top_p": 0.9}, {"keep_ratio": "0.5"}):
         assert build_config(**{**FLAGS, **own_selection}, profile=profile).max_dropped_mass is None
     assert load_profile(_write_profile(tmp_path / "plain.json")).max_dropped_mass is None

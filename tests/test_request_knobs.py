@@ -105,5 +105,16 @@ def test_good_knobs():
     assert parse({}, bounded).max_dropped_mass == 0.05
     assert parse({"uniprefill_max_dropped_mass": 0}, bounded).max_dropped_mass == 0.0
     assert parse({"uniprefill_max_dropped_mass": 1}, TOP_P_SERVER).max_dropped_mass == 1.0
+    # The flag's bound holds whatever the request selects by; a profile's only with the
+    # profile's top-p it was calibrated with.
+    assert parse({"uniprefill_keep_ratio": 0.3}, bounded).max_dropped_mass == 0.05
+    from dataclasses import replace
+
+    profiled = replace(bounded, bound_from_profile=True)
+    assert parse({}, profiled).max_dropped_mass == 0.05
+    assert parse({"uniprefill_keep_ratio": 0.3}, profiled).max_dropped_mass is None
+    assert parse({"uniprefill_top_p": 0.9}, profiled).max_dropped_mass is None
+    assert parse({"uniprefill_top_p": 0.9, "uniprefill_max_dropped_mass": 0.1},
+                 profiled).max_dropped_mass == 0.1
     assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio",
                      "uniprefill_prefix_policy", "uniprefill_max_dropped_mass")

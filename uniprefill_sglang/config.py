@@ -178,6 +178,9 @@ class UniPrefillConfig:
     # A request whose first drop would let go more than this share of its scored attention
     # mass keeps every token at every drop (drop.py); None: no bound.
     max_dropped_mass: Optional[float] = None
+    # The bound is the profile's, calibrated with its top-p: a request that selects otherwise
+    # (its own top-p or keep ratio) is not held to it.
+    bound_from_profile: bool = False
 
     @property
     def min_tokens_to_drop(self) -> int:
@@ -218,9 +221,11 @@ def build_config(
     A ``profile`` supplies the drop layers, top-p and block size that no flag sets (None means
     unset; a keep ratio replaces the profile's top-p), and its dropped-mass bound where its
     top-p applies and no flag sets one."""
+    bound_from_profile = False
     if profile is not None:
         if top_p is None and keep_ratio is None and max_dropped_mass is None:
             max_dropped_mass = profile.max_dropped_mass
+            bound_from_profile = max_dropped_mass is not None
         drop_layers, top_p, block_size = _with_profile(profile, drop_layers, top_p, keep_ratio,
                                                        block_size)
     if block_size is None:
@@ -256,6 +261,7 @@ def build_config(
         stage_kv_fraction=fractions,
         prefix_checkpoint=bool(prefix_checkpoint) or prefix_policy == "reselect",
         max_dropped_mass=None if max_dropped_mass is None else float(max_dropped_mass),
+        bound_from_profile=bound_from_profile,
     )
 
 

@@ -227,8 +227,10 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
             ctx.report.kept[0][b] = joined + ctx.lens[b]
         if drop_index == 0 and bound is not None and m > bound:
             ctx.report.over_bound[b] = m
-            name = (MAX_DROPPED_MASS_FLAG if bound == rt.config.max_dropped_mass
-                    else f'custom_params["{MAX_DROPPED_MASS_KNOB}"]')
+            name = (f'custom_params["{MAX_DROPPED_MASS_KNOB}"]'
+                    if bound != rt.config.max_dropped_mass
+                    else "the profile's max_dropped_mass" if rt.config.bound_from_profile
+                    else MAX_DROPPED_MASS_FLAG)
             ctx.note(b, f"over the dropped-mass bound: the first drop would let go {m:.4g} of "
                         f"the attention mass it scored, above {name} {bound:g}; every token "
                         "kept from there on")

@@ -154,6 +154,8 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
         top_p, keep_ratio = _fraction(TOP_P, custom_params[TOP_P]), ()
     elif KEEP_RATIO in custom_params:
         keep_ratio = _keep_ratios(custom_params[KEEP_RATIO])
+    if config.bound_from_profile and (TOP_P in custom_params or KEEP_RATIO in custom_params):
+        bound = None  # calibrated with the profile's top-p, not with this selection
     if PREFIX_POLICY in custom_params:
         policy = custom_params[PREFIX_POLICY]
         if policy not in PREFIX_POLICIES:
