@@ -186,8 +186,9 @@ class UniPrefillRuntime:
                    if d.rid in ctx.parking.finished)
         cost = self.parking.cost
         number = self.last_rejoin["number"] + 1 if self.last_rejoin else 1
+        priced = rows * cost.rejoin_row_bytes if cost is not None else None
         self.last_rejoin = {"number": number, "rows": int(rows), "peak_bytes": int(peak),
-                            "priced_bytes": rows * cost.rejoin_row_bytes if cost is not None else None}
+                            "priced_bytes": priced}
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
