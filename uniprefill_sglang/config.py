@@ -223,11 +223,8 @@ def build_config(
     top-p applies and no flag sets one."""
     bound_from_profile = False
     if profile is not None:
-        if top_p is None and keep_ratio is None and max_dropped_mass is None:
-            max_dropped_mass = profile.max_dropped_mass
-            bound_from_profile = max_dropped_mass is not None
-        drop_layers, top_p, block_size = _with_profile(profile, drop_layers, top_p, keep_ratio,
-                                                       block_size)
+        drop_layers, top_p, block_size, max_dropped_mass, bound_from_profile = _with_profile(
+            profile, drop_layers, top_p, keep_ratio, block_size, max_dropped_mass)
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
@@ -265,15 +262,21 @@ def build_config(
     )
 
 
-def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size):
-    """(drop layers, top-p, block size): the flags', the profile's where no flag set one."""
+def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size,
+                  max_dropped_mass):
+    """(drop layers, top-p, block size, dropped-mass bound, whether that bound is the
+    profile's): the flags', the profile's where no flag set one. The profile's bound comes only
+    with the profile's top-p, which it was calibrated with."""
     if parse_drop_layers(drop_layers) is None:
         drop_layers = profile.drop_layers
+    bound_from_profile = False
     if top_p is None and keep_ratio is None:
         top_p = profile.top_p
+        if max_dropped_mass is None and profile.max_dropped_mass is not None:
+            max_dropped_mass, bound_from_profile = profile.max_dropped_mass, True
     if block_size is None:
         block_size = profile.block_size
-    return drop_layers, top_p, block_size
+    return drop_layers, top_p, block_size, max_dropped_mass, bound_from_profile
 
 
 def _parse_selection(top_p: Optional[float], keep_ratio, block_size: int):

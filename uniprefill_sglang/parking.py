@@ -89,9 +89,18 @@ def start_peak_measure(step: ParkingStep, device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measured_peak(step: ParkingStep, device) -> int:
-    """Bytes the rejoining forward allocated above what it began with, at its peak."""
-    return torch.cuda.max_memory_allocated(device) - step.allocated_at_start
+def rejoin_record(ctx, cost: Optional["RejoinCost"], previous: Optional[dict]) -> dict:
+    """What a rejoining forward (`ctx`, a DropContext whose peak measure started) took: its
+    number (counting from 1), rows through the first later layer, bytes allocated above its
+    start at the peak, and what `cost` counts for those rows (headroom left out)."""
+    after_first_drop = ctx.report.kept[min(1, len(ctx.report.kept) - 1)]
+    rows = sum(after_first_drop[b] for b, d in enumerate(ctx.plan.decisions)
+               if d.rid in ctx.parking.finished)
+    peak = (torch.cuda.max_memory_allocated(ctx.out_cache_loc.device)
+            - ctx.parking.allocated_at_start)
+    return {"number": previous["number"] + 1 if previous else 1, "rows": int(rows),
+            "peak_bytes": int(peak),
+            "priced_bytes": rows * cost.rejoin_row_bytes if cost is not None else None}
 
 
 @dataclasses.dataclass(frozen=True)

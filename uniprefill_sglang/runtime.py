@@ -20,7 +20,7 @@ from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext, UniPrefillError
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, SlotStages
-from uniprefill_sglang.parking import ParkingLot, measured_peak, start_peak_measure
+from uniprefill_sglang.parking import ParkingLot, rejoin_record, start_peak_measure
 from uniprefill_sglang.prefix_reuse import PrefixReuse
 from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
 from uniprefill_sglang.request_plan import forward_plan, is_prefill_mode
@@ -99,10 +99,7 @@ class UniPrefillRuntime:
         # batch's lists held more.
         self.decode_graph_entries = None
         self.eager_decode_overflows = 0
-        # The latest rejoin on a GPU: its number (counting from 1), rows through the first later
-        # layer, the memory it took above its start at the peak, and what parking.RejoinCost
-        # counts for those rows (its headroom left out).
-        self.last_rejoin = None
+        self.last_rejoin = None  # the latest rejoin's memory on a GPU (parking.rejoin_record)
 
     @property
     def has_schedule(self) -> bool:
@@ -178,17 +175,7 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
         if ctx.parking.allocated_at_start is not None:
-            self._record_rejoin(ctx, measured_peak(ctx.parking, ctx.out_cache_loc.device))
-
-    def _record_rejoin(self, ctx: DropContext, peak: int) -> None:
-        after_first_drop = ctx.report.kept[min(1, len(ctx.report.kept) - 1)]
-        rows = sum(after_first_drop[b] for b, d in enumerate(ctx.plan.decisions)
-                   if d.rid in ctx.parking.finished)
-        cost = self.parking.cost
-        number = self.last_rejoin["number"] + 1 if self.last_rejoin else 1
-        priced = rows * cost.rejoin_row_bytes if cost is not None else None
-        self.last_rejoin = {"number": number, "rows": int(rows), "peak_bytes": int(peak),
-                            "priced_bytes": priced}
+            self.last_rejoin = rejoin_record(ctx, self.parking.cost, self.last_rejoin)
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
