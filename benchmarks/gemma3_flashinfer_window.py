@@ -1,7 +1,7 @@
 """Does stock SGLang's FlashInfer backend apply Gemma 3's sliding window in a prefill?
 
-UniPrefill is not loaded here (SGLANG_PLUGINS names another plugin): every engine is stock
-SGLang. The model is the reduced random Gemma 3 of tests/gpu/test_gemma3_gpu.py (sliding window
+UniPrefill is not loaded here (SGLANG_PLUGINS names another plugin) except in `fi_uniprefill`:
+every other engine is stock SGLang. The model is the reduced random Gemma 3 of tests/gpu/test_gemma3_gpu.py (sliding window
 128 on five of its eight layers), the prompt 3,000 tokens with no cached prefix, so SGLang plans
 FlashInfer's ragged prefill. Each engine reports the final hidden state of the prompt's last row
 and of 8 decode steps; the distance to torch_native's (which masks the window itself) is the
@@ -13,6 +13,12 @@ finding:
 * the `*_wide` engines run a copy of the model whose window (4,096) covers the whole prompt, so
   a sliding layer is a full one: there `fi_wide` must be near `tn_wide` whatever the ragged path
   does, which rules out any other cause of a distance.
+* `fi_uniprefill` is FlashInfer with `--enable-uniprefill` and no drop layer: the plugin's
+  start-up correction (backends/flashinfer.py `window_in_prefill`) must bring it near `tn`.
+
+Found on an H200 (2026-12-04): `fi` 53% from `tn` (the window's own effect, `tn_wide` against
+`tn`, is 53% too), `fi_paged` 0.8%, `fi_wide` 0.9% from `tn_wide`: the ragged prefill of SGLang
+0.5.17 leaves the window out.
 
     python benchmarks/gemma3_flashinfer_window.py --out results/gemma3/flashinfer_window.json
 
@@ -33,23 +39,28 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "gpu"))
 
+STOCK = {"SGLANG_PLUGINS": "not-uniprefill"}
 # name: (attention backend, sliding window, extra environment)
 ENGINES = {
-    "tn": ("torch_native", 128, {}),
-    "fi": ("flashinfer", 128, {}),
-    "fi_paged": ("flashinfer", 128, {"SGLANG_FLASHINFER_USE_PAGED": "1"}),
-    "tn_wide": ("torch_native", 4096, {}),
-    "fi_wide": ("flashinfer", 4096, {}),
+    "tn": ("torch_native", 128, STOCK),
+    "fi": ("flashinfer", 128, STOCK),
+    "fi_paged": ("flashinfer", 128, dict(STOCK, SGLANG_FLASHINFER_USE_PAGED="1")),
+    "tn_wide": ("torch_native", 4096, STOCK),
+    "fi_wide": ("flashinfer", 4096, STOCK),
+    "fi_uniprefill": ("flashinfer", 128, {}),
 }
 DECODE_STEPS = 8
 
 
 def serve(model_dir: str, backend: str, out_path: str) -> None:
-    """The child side: one stock engine, one dense greedy request, hidden states out."""
+    """The child side: one engine, one dense greedy request, hidden states out."""
     import sglang
     from test_gemma3_gpu import PROMPT
 
-    engine = sglang.Engine(model_path=model_dir, attention_backend=backend,
+    plugin = "SGLANG_PLUGINS" not in os.environ
+    extra = dict(enable_uniprefill=True, uniprefill_drop_layers="none") if plugin else {}
+    engine = sglang.Engine(**extra,
+                           model_path=model_dir, attention_backend=backend,
                            skip_tokenizer_init=True, dtype="bfloat16", context_length=8192,
                            disable_radix_cache=True, enable_return_hidden_states=True,
                            mem_fraction_static=0.15, max_total_tokens=32768, random_seed=0,
@@ -86,7 +97,9 @@ def main() -> None:
                                           dict(CONFIG, sliding_window=window))
         procs = {}
         for name, (backend, window, extra_env) in ENGINES.items():
-            env = dict(os.environ, SGLANG_PLUGINS="not-uniprefill", **extra_env)
+            env = dict(os.environ, **extra_env)
+            if "SGLANG_PLUGINS" not in extra_env:
+                env.pop("SGLANG_PLUGINS", None)
             procs[name] = subprocess.Popen(
                 [sys.executable, __file__, "--serve", models[window], backend,
                  str(tmp / f"{name}.json")], env=env, stdout=subprocess.PIPE,
@@ -121,12 +134,13 @@ def save(out_path: Path, runs: dict, logs: dict) -> None:
     summary = {"fi_vs_tn": distance(runs, "fi", "tn"),
                "fi_paged_vs_tn": distance(runs, "fi_paged", "tn"),
                "fi_wide_vs_tn_wide": distance(runs, "fi_wide", "tn_wide"),
+               "fi_uniprefill_vs_tn": distance(runs, "fi_uniprefill", "tn"),
                "window_effect_tn": distance(runs, "tn_wide", "tn")}
     print(json.dumps(summary), flush=True)
     out_path.write_text(json.dumps({
         "header": result_header(model="reduced Gemma 3 (tests/gpu/test_gemma3_gpu.py), random "
                                       "weights, bfloat16", note=f"prompt {len(PROMPT)} tokens, "
-                                      "UniPrefill not loaded"),
+                                      "UniPrefill loaded in fi_uniprefill only"),
         "engines": {n: {"attention_backend": b, "sliding_window": w, "env": e}
                     for n, (b, w, e) in ENGINES.items()},
         "summary": summary, "failed": logs}, indent=1))

@@ -6,8 +6,9 @@ attention adapters' rows, into the one table the loader registers (`patches.regi
 
 * `before`, `after`, `around`, `replace`: SGLang's `HookRegistry` swaps the target;
 * `assign`: the loader sets a class attribute that the module-level replacement cannot reach;
-* `instance`: wrappers set on a built model's modules, per instance, by a model runner hook
-  (listed so the table is complete; nothing to register).
+* `instance`: what a model runner hook sets on built objects, per instance (wrappers on the
+  model's modules, an attribute of the attention backend; listed so the table is complete;
+  nothing to register).
 """
 
 from __future__ import annotations

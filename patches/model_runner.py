@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
-    from uniprefill_sglang.backends import prepare_views
+    from uniprefill_sglang.backends import correct_upstream, prepare_views
     from uniprefill_sglang.drop import warm_up
     from uniprefill_sglang.kv_validity import LayerStages
     from uniprefill_sglang.request_plan import log_fallback_once
@@ -36,6 +36,9 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     if not getattr(server_args, "enable_uniprefill", False) or model_runner.is_draft_worker:
         return result
     _check_hooks(model_runner)
+    corrected = correct_upstream(model_runner.attn_backend)
+    if corrected:
+        logger.warning("UniPrefill: %s", corrected)
     state = plugin_state()
     config = state.config(server_args)
     schedule = process_schedule(server_args, model_runner.model_config,
@@ -264,4 +267,8 @@ HOOKS = (
          "uniprefill_sglang.model_integration:install",
          "the drop runs after a drop layer's attention and the later sublayers run on the "
          "survivors (set by init_attention_backends above)"),
+    Hook("FlashInferAttnBackend.use_paged, for a model with sliding-window layers", "instance",
+         "uniprefill_sglang.backends.flashinfer:window_in_prefill",
+         "upstream's ragged prefill leaves Gemma 3's window out; its paged prefill applies it "
+         "(set by init_attention_backends above, dense engines included)"),
 )

@@ -12,6 +12,8 @@ on Hugging Face's window).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from uniprefill_sglang.backends.common import sliding_window
@@ -77,3 +79,31 @@ def test_survivor_mask_is_transformers_gemma3_mask_on_original_positions():
 class _Config:
     def __init__(self, sliding_window):
         self.sliding_window = sliding_window
+
+
+def _flashinfer_backend(window, **flags):
+    """What `flashinfer.window_in_prefill` reads of a FlashInferAttnBackend (CUDA-only here):
+    the wrapper dispatch, the decode updater's window and the flags that choose the prefill."""
+    from sglang.srt.layers.attention.flashinfer_backend import WrapperDispatch
+
+    return SimpleNamespace(
+        dispatch_reason=WrapperDispatch.SLIDING_WINDOW if window is not None else None,
+        indices_updater_decode=SimpleNamespace(sliding_window_size=window),
+        use_paged=False, enable_deterministic=False, is_multimodal=False, enable_mis=False,
+        **flags)
+
+
+def test_flashinfer_sliding_window_prefills_take_the_paged_path():
+    """Upstream's ragged prefill leaves the window out (backends/flashinfer.py): a
+    sliding-window model is moved to the paged prefill, which plans it; nothing else is."""
+    from uniprefill_sglang.backends import correct_upstream
+    from uniprefill_sglang.backends.flashinfer import window_in_prefill
+
+    gemma = _flashinfer_backend(127)
+    assert "paged" in window_in_prefill(gemma) and gemma.use_paged
+    full = _flashinfer_backend(None)
+    assert window_in_prefill(full) is None and not full.use_paged
+    paged = _flashinfer_backend(127)
+    paged.use_paged = True  # SGLANG_FLASHINFER_USE_PAGED=1: already right
+    assert window_in_prefill(paged) is None
+    assert correct_upstream(SimpleNamespace()) is None  # a backend without an adapter

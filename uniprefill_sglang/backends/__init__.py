@@ -21,6 +21,15 @@ def prepare_views(backend, runtime) -> None:
             adapter.prepare(backend, runtime)
 
 
+def correct_upstream(backend) -> Optional[str]:
+    """At start-up: what the adapter of `backend`'s class sets right in upstream's backend for
+    this model (`StageViewAdapter.correct_upstream`), or None."""
+    for adapter in adapters():
+        if adapter.class_name == type(backend).__name__:
+            return adapter.correct_upstream(backend)
+    return None
+
+
 def staged_layout_unsupported(backend) -> Optional[str]:
     """Why this attention backend cannot run on the staged KV layout (every layer after the
     first drop reads through an adapter's per-stage views), or None."""

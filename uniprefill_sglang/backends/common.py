@@ -99,6 +99,11 @@ class StageViewAdapter:
         """At start-up, allocate what this backend's views hold, so that the first request
         that reads one does not (nothing, unless the adapter says otherwise)."""
 
+    def correct_upstream(self, backend) -> Optional[str]:
+        """At start-up, with UniPrefill enabled (dense or not): set right what upstream's
+        backend computes wrong for this model, and say what changed (None: nothing)."""
+        return None
+
 
 def stages_after_first(runtime) -> List[int]:
     return list(range(1, runtime.stages.num_drops + 1))

@@ -134,6 +134,9 @@ class FlashInferAdapter(StageViewAdapter):
             _decode_wrapper(backend, stage)
         self.state(backend).prepared = True
 
+    def correct_upstream(self, backend):
+        return window_in_prefill(backend)
+
     def hooks(self):
         return [("forward_extend", forward_extend, "around"),
                 ("forward_decode", forward_decode, "around"),
@@ -158,6 +161,22 @@ def _model_window(backend) -> Optional[int]:
                   if backend.dispatch_reason == WrapperDispatch.SLIDING_WINDOW else None)
         st.model_window = window if window is not None and window >= 0 else None
     return st.model_window
+
+
+def window_in_prefill(backend) -> Optional[str]:
+    """A sliding-window model's prefills through upstream's paged path. SGLang 0.5.17 to 0.5.23
+    plan FlashInfer's ragged prefill wrapper without `window_left` (so the kernel is built
+    without a window, whatever a call passes) and call it without one in a step with no cached
+    prefix: every local layer of Gemma 3 then attends to the whole prompt. On a reduced Gemma 3
+    (H200, benchmarks/results/gemma3/flashinfer_window_h200.json) that puts the last row's
+    final hidden state 53% from torch_native's, exactly the window's own effect, while the
+    paged path, which plans the window, is 0.8% from it (rounding). Returns what changed."""
+    if _model_window(backend) is None or not _uses_ragged(backend):
+        return None
+    backend.use_paged = True  # what upstream's SGLANG_FLASHINFER_USE_PAGED=1 sets
+    return ("FlashInfer prefills of this sliding-window model run upstream's paged path: its "
+            "ragged path leaves the window out (the local layers would attend to the whole "
+            "prompt)")
 
 
 def _decode_window_views(backend, runtime, fb, bs: int, raw_bs: int, window: int, **outs):
