@@ -17,7 +17,7 @@ hooks are listed by its adapter (`StageViewAdapter.hooks()`) and registered here
     wrapper per stage (and, for a sliding-window model, builds each later stage's window
     lists); `_get_wrapper_idx` (AROUND) returns the layer's stage wrapper under such metadata;
     `forward_decode` (AROUND) runs a sliding-window layer after a drop over its stage's window
-    list (`kernels.positional_attention`; experimental, `UNIPREFILL_FLASHINFER_SLIDING_WINDOW`).
+    list (`kernels.positional_attention`).
   - `init_cuda_graph_state` / `_create_decode_wrappers` (AFTER) and
     `init_forward_metadata_out_graph` (AROUND): decode CUDA graphs capture one wrapper per
     stage over per-stage static buffers, refilled and re-planned outside the graph on replay.

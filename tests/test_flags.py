@@ -136,14 +136,8 @@ def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():
                            ["Qwen3NextForCausalLM"], 48, layer_types=kinds)
 
 
-def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them(monkeypatch):
+def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them():
     default = build_config(**DEFAULTS)
-    # FlashInfer serves them only under its experimental switch.
-    monkeypatch.delenv("UNIPREFILL_FLASHINFER_SLIDING_WINDOW", raising=False)
-    reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
-                                             ["flashinfer"])
-    assert "(not flashinfer)" in reason
-    monkeypatch.setenv("UNIPREFILL_FLASHINFER_SLIDING_WINDOW", "1")
     # Gemma 3 on a backend whose adapter has no sliding-window view: dense, saying why.
     reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
                                              ["torch_native", "fa3"])

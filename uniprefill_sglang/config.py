@@ -24,12 +24,8 @@ SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 
 def sliding_window_attention_backends() -> Tuple[str, ...]:
     """Those whose adapter also serves sliding-window layers over the survivors (the window
-    measured in original positions); on the others a model with such layers runs dense.
-    FlashInfer's is experimental (environ.FLASHINFER_SLIDING_WINDOW says why)."""
-    from uniprefill_sglang import environ
-
-    return ("torch_native", "triton") + (
-        ("flashinfer",) if environ.FLASHINFER_SLIDING_WINDOW.get() else ())
+    measured in original positions); on the others a model with such layers runs dense."""
+    return ("torch_native", "triton", "flashinfer")
 
 
 DEFAULT_TOP_P = 0.99

@@ -78,12 +78,6 @@ TEST_SELECTION = Choice(
     "positions and their layers after a drop can be compared exactly "
     "(selection.select_by_position)",
     ("positional",))
-FLASHINFER_SLIDING_WINDOW = Flag(
-    "UNIPREFILL_FLASHINFER_SLIDING_WINDOW",
-    "experimental: FlashInfer serves the drops of a sliding-window model (Gemma 3), its window "
-    "layers after a drop through kernels.positional_attention; on an H200 its selections match "
-    "torch_native's in counts only (its stock layers round otherwise), so its window layers "
-    "after a drop have no exact GPU check yet; without it such a model runs dense on FlashInfer")
 HYBRID_PREFIX_CACHE = Flag(
     "UNIPREFILL_HYBRID_PREFIX_CACHE",
     "experimental: a family with a recurrent state (Qwen3-Next, LFM2) keeps SGLang's radix "
@@ -108,5 +102,5 @@ CPU_ENGINE = Text(
     "the CPU engine when CUDA is absent)")
 
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
-       TEST_SELECTION, FLASHINFER_SLIDING_WINDOW, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES,
+       TEST_SELECTION, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES,
        CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

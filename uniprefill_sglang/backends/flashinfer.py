@@ -46,7 +46,6 @@ from typing import Dict, Optional
 
 import torch
 
-from uniprefill_sglang import environ
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
@@ -108,9 +107,6 @@ class FlashInferAdapter(StageViewAdapter):
         window = _model_window(backend)
         if backend.num_wrappers != 1 and window is None:
             return "FlashInfer with a wrapper pair for cross-attention layers"
-        if window is not None and not environ.FLASHINFER_SLIDING_WINDOW.get():
-            return (f"FlashInfer with sliding-window layers (experimental: "
-                    f"{environ.FLASHINFER_SLIDING_WINDOW.name}=1)")
         if window is not None and (
                 backend.use_sliding_window_kv_pool
                 or backend.token_to_kv_pool.dtype != backend.indices_updater_decode.q_data_type):
