@@ -177,6 +177,7 @@ def positional_attention(
     logit_cap: float = 0.0,
     max_q_len: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    kv_sorted: bool = False,
 ) -> torch.Tensor:
     """Attention of each request's queries over its keys, masked by original positions.
 
@@ -193,6 +194,8 @@ def positional_attention(
     max_q_len:  host int >= every request's query rows; the Triton path computes it with one
                 host sync when omitted (pass it to stay sync-free, e.g. under a CUDA graph).
     out:        optional preallocated [Nq, Hq, Dv] output in q's dtype.
+    kv_sorted:  a promise that each request's kv_pos ascend: the Triton path then visits only
+                the keys a query tile may see (the answer is the same).
     Returns [Nq, Hq, Dv] in q's dtype; a row with no visible key is zero.
     """
     if use_triton(q.device):
@@ -202,7 +205,7 @@ def positional_attention(
             max_q_len = int((q_indptr[1:] - q_indptr[:-1]).max().item()) if q_indptr.numel() > 1 else 0
         return positional_attention_triton(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
                                            kv_pos, sm_scale, window, logit_cap, max_q_len=max_q_len,
-                                           out=out)
+                                           out=out, kv_sorted=kv_sorted)
     res = positional_attention_reference(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
                                          kv_pos, sm_scale, window, logit_cap)
     if out is not None:

@@ -11,7 +11,10 @@ Every length is read on the device (``q_indptr`` and ``kv_indptr`` are loaded by
 and its loops run to their bounds); the grid depends on host ints only (B, Hq and
 ``max_q_len``), so a call can be captured in a CUDA graph and replayed after the index tensors'
 contents change.  A tile of keys none of which a tile's rows may see (beyond the window, or
-after every query) skips its loads and products.
+after every query) skips its loads and products.  With ``kv_sorted`` (each request's keys in
+ascending position, as the plugin's views list them) the loop does not visit such tiles at all:
+two binary searches bound it to the keys from the tile's first row's window start to its last
+row, so a sliding-window layer costs the window, not the prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +24,20 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+@triton.jit
+def _lower_bound(Pos, lo, hi, target):
+    """The first index in [lo, hi) whose position is >= target (hi if none); Pos ascends
+    there. 32 halvings cover any int32 range."""
+    for _ in range(32):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        pos = tl.load(Pos + mid, mask=active, other=0).to(tl.int64)
+        right = active & (pos < target)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
 
 @triton.jit
 def _positional_attention_kernel(
@@ -33,7 +50,7 @@ def _positional_attention_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, KV_SORTED: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -68,6 +85,14 @@ def _positional_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    if KV_SORTED:
+        # Keys after the tile's last row, or before its first row's window, are seen by none.
+        q_last = tl.max(tl.where(row_ok, qpos, -1))
+        k_end = _lower_bound(KVPos, k_start, k_end, q_last + 1)
+        if USE_WINDOW:
+            q_first = tl.min(tl.where(row_ok, qpos, q_last))
+            k_start = _lower_bound(KVPos, k_start, k_end, q_first - window)
 
     for n0 in range(k_start, k_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -138,6 +163,7 @@ def positional_attention_triton(
     block_n: Optional[int] = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_sorted: bool = False,
 ) -> torch.Tensor:
     """Triton implementation of ``positional_attention`` (see kernels/__init__.py).
 
@@ -145,6 +171,7 @@ def positional_attention_triton(
     out:       optional preallocated [Nq, Hq, Dv] output in q's dtype; rows no request owns are
                left as they are (zeros when the output is allocated here).
     block_m, block_n, num_warps, num_stages: tiling knobs for tests and tuning.
+    kv_sorted: each request's kv_pos ascend; the loop then visits only the key tiles in reach.
     No host read of a device tensor: safe to capture in a CUDA graph.
     """
     assert q.dim() == 3 and k_buffer.dim() == 3 and v_buffer.dim() == 3, (
@@ -197,7 +224,7 @@ def positional_attention_triton(
         GROUP=hq // hkv, D=d, DV=dv,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_WINDOW=window >= 0, USE_CAP=use_cap, UPCAST=upcast, PREC=prec,
+        USE_WINDOW=window >= 0, USE_CAP=use_cap, KV_SORTED=bool(kv_sorted), UPCAST=upcast, PREC=prec,
         ROUND_BF16=INTERPRETED and out.dtype == torch.bfloat16,
         **extra,
     )

@@ -187,6 +187,9 @@ def test_matches_reference(hq, hkv, d, dv, dtype, idx_dtype, window, cap):
     assert err < BOUND[dtype], err
     if cap:  # the cap changes the answer: the comparison above would catch a kernel ignoring it
         assert rel_err(oracle(case, window=window), ref) > 10 * BOUND[dtype]
+    if idx_dtype == torch.int32:  # keys in position order: the bounded loop, same answer
+        sorted_err = rel_err(run_kernel(case, window=window, logit_cap=cap, kv_sorted=True), ref)
+        assert sorted_err < BOUND[dtype], sorted_err
 
 
 @pytest.mark.parametrize("window", [1, 7, 64])
@@ -207,6 +210,7 @@ def test_window_boundary_brute_force(window, gaps):
     seen = got[:, 0] > 0  # [row, key]
     want = visible_mask(pos, pos, window)
     assert torch.equal(seen, want)
+    assert torch.equal(run_kernel(case, window=window, kv_sorted=True), got)
     assert torch.equal(got[:, 0], got[:, 1])
     assert torch.allclose(got[:, 0].sum(dim=1), torch.ones(n))
     if not gaps:
@@ -241,7 +245,8 @@ def test_tiles_grid_and_empty_requests():
     case["q"] = torch.cat([case["q"], torch.randn(3, 4, 64)])  # 3 trailing rows no request owns
     case["q_pos"] = torch.cat([case["q_pos"], torch.zeros(3, dtype=case["q_pos"].dtype)])
     ref = oracle(case, window=9)
-    for kw in (dict(block_m=16, block_n=16), dict(block_m=32, block_n=64), dict()):
+    for kw in (dict(block_m=16, block_n=16), dict(block_m=32, block_n=64), dict(),
+               dict(block_m=16, block_n=16, kv_sorted=True), dict(kv_sorted=True)):
         out = torch.full((case["q"].shape[0], 4, 64), float("nan"))
         got = mod.positional_attention_triton(**case, window=9, max_q_len=70, out=out, **kw)
         assert torch.isnan(got[-3:]).all()
@@ -259,3 +264,23 @@ def test_reference_dispatch(monkeypatch):
     assert torch.equal(got, positional_attention_reference(**case, window=2))
     monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE")
     assert rel_err(positional_attention(**case, window=2), oracle(case, window=2)) < BOUND[FP32]
+
+
+@pytest.mark.parametrize("window", [-1, 5, 40])
+def test_sorted_keys_bound_the_loop_to_the_window(window):
+    """Long requests in small tiles, keys in position order: the loop bounded by the binary
+    searches (`kv_sorted`) answers as the full loop, for rows whose window starts before,
+    inside and after the prefix; and the bounds are in force: keys listed out of order under
+    the promise change the answer."""
+    mod = importlib.import_module(f"{K.__name__}.positional_triton")
+    case = make_case(11, [(150, 90), (0, 70), (60, 1), (5, 33)], 4, 2, 32, dtype=FP32)
+    ref = oracle(case, window=window)
+    for kw in (dict(block_m=16, block_n=16), dict(block_m=32, block_n=32)):
+        got = mod.positional_attention_triton(**case, window=window, max_q_len=90,
+                                              kv_sorted=True, **kw)
+        assert torch.isfinite(got).all() and rel_err(got, ref) < BOUND[FP32], kw
+    shuffled = make_case(11, [(150, 90), (0, 70), (60, 1), (5, 33)], 4, 2, 32, dtype=FP32,
+                         shuffle_keys=True)
+    broken = mod.positional_attention_triton(**shuffled, window=window, max_q_len=90,
+                                             kv_sorted=True, block_m=16, block_n=16)
+    assert rel_err(broken, oracle(shuffled, window=window)) > 100 * BOUND[FP32]

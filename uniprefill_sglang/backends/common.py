@@ -12,7 +12,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from uniprefill_sglang import kernels
-from uniprefill_sglang.context import to_device
+from uniprefill_sglang.context import CheckFailed, to_device
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     extend_stage_slots,
@@ -300,8 +300,26 @@ def window_extend_keys(runtime, req_to_token, ctx, stage: int):
     kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc, stage).to(torch.int64)
     kv_pos[to] = ctx.positions.to(torch.int64)
     keys = (qo_indptr, kv_indptr, kv_indices, kv_pos)
+    if runtime.check_kv_lens:
+        _check_keys_ascend(kv_indptr, kv_pos)
     cache[stage] = keys
     return keys
+
+
+def _check_keys_ascend(kv_indptr: torch.Tensor, kv_pos: torch.Tensor) -> None:
+    """Debug (UNIPREFILL_CHECK_KV_LENS, one sync): each request's keys ascend in position, the
+    promise `window_attention` gives the kernel (`kv_sorted`) so that it visits its window only."""
+    n = kv_pos.shape[0]
+    if n < 2:
+        return
+    starts = torch.zeros(n, dtype=torch.bool, device=kv_pos.device)
+    firsts = kv_indptr[:-1].to(torch.int64)
+    starts[firsts[firsts < n]] = True  # a request's first key may step down
+    steps_down = (kv_pos[1:] <= kv_pos[:-1]) & ~starts[1:]
+    if bool(steps_down.any()):
+        at = int(torch.nonzero(steps_down)[0]) + 1
+        raise CheckFailed(f"UniPrefill: sliding-window keys out of position order at entry {at} "
+                          f"({kv_pos[at - 1].item()} then {kv_pos[at].item()})")
 
 
 def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):
@@ -316,5 +334,6 @@ def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):
         q[:rows], q_pos, qo_indptr,
         pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
         kv_indptr, kv_indices, kv_pos, layer.scaling, window=window,
-        logit_cap=layer.logit_cap, max_q_len=max_q_len, out=out[:rows])
+        logit_cap=layer.logit_cap, max_q_len=max_q_len, out=out[:rows],
+        kv_sorted=True)  # prefix then current rows, each in sequence order
     return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
