@@ -72,6 +72,19 @@ def test_a_later_drop_scores_only_the_survivors_of_the_earlier_one():
     assert replay.kept_per_stage(cal.Schedule((2, 5), 0.6, 16)) == [n, first.numel(), both.numel()]
     # top-p 1.0 keeps everything, at every drop.
     assert replay.kept_per_stage(cal.Schedule((2, 5), 1.0, 16)) == [n, n, n]
+    # A top-p per drop: the second drop selects at its own top-p over the first's survivors.
+    later = replay.survivors((2, 5), (0.6, 0.95), 16)
+    expected = first[select_segment_reference(scores, first, 16, 0.95, 0.0, 16, nq)]
+    assert later.tolist() == expected.tolist() and later.numel() > both.numel()
+    assert replay.kept_per_stage(cal.Schedule((2, 5), (1.0, 0.6), 16))[1] == n
+
+
+def test_later_top_p_candidates_apply_after_the_first_drop_only():
+    schedules = cal.candidate_schedules([(4,), (4, 9)], top_ps=(0.99,), block_sizes=(32,),
+                                        later_top_ps=(0.9, 0.99))
+    assert [s.top_p for s in schedules] == [(0.99,), (0.99,), (0.99, 0.9)]
+    assert schedules[-1].name == "layers 4,9 top-p 0.99,0.9 block 32"
+    assert schedules[-1].top_p_json() == [0.99, 0.9] and schedules[0].top_p_json() == 0.99
 
 
 def test_needle_survival_needs_every_token_of_one_occurrence():
@@ -204,12 +217,16 @@ def _write_profile(path: Path, layers=(4, 12), top_p=0.995, block=32, arch="Llam
 def test_a_profile_sets_what_no_flag_sets(tmp_path):
     profile = load_profile(_write_profile(tmp_path / "p.json"))
     cfg = build_config(**FLAGS, profile=profile)
-    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((4, 12), 0.995, 32)
+    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((4, 12), (0.995,), 32)
     assert cfg.profile == profile.path
     # Explicit flags win, one by one.
     cfg = build_config(**{**FLAGS, "drop_layers": "6", "top_p": 0.9, "block_size": 64},
                        profile=profile)
-    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((6,), 0.9, 64)
+    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((6,), (0.9,), 64)
+    per_drop = load_profile(_write_profile(tmp_path / "per_drop.json", top_p=[0.995, 0.95]))
+    assert build_config(**FLAGS, profile=per_drop).top_p == (0.995, 0.95)
+    with pytest.raises(UniPrefillConfigError, match="top_p"):
+        load_profile(_write_profile(tmp_path / "bad.json", top_p=[0.995, 1.5]))
     cfg = build_config(**{**FLAGS, "keep_ratio": "0.5"}, profile=profile)  # replaces top-p
     assert cfg.keep_ratio == (0.5,) and cfg.drop_layers == (4, 12)
     cfg = build_config(**{**FLAGS, "drop_layers": "none"}, profile=profile)
@@ -251,7 +268,8 @@ def test_the_shipped_profiles_load():
     for path in paths:
         p = load_profile(str(path))
         assert p.architecture and p.num_layers and p.hidden_size
-        assert all(0 < l < p.num_layers for l in p.drop_layers) and 0 < p.top_p <= 1
+        assert all(0 < l < p.num_layers for l in p.drop_layers)
+        assert all(0 < top_p <= 1 for top_p in p.top_p)
     smollm2 = find_shipped_profile(["LlamaForCausalLM"], 30, 576)
     assert smollm2 is not None and smollm2.drop_layers != default_drop_layers(30)
     gemma = find_shipped_profile(["Gemma3ForCausalLM"], 18, 640)  # Gemma-3-270M
@@ -284,9 +302,9 @@ def test_server_args_pick_the_profile(smollm2_path, tmp_path):
     mine = _write_profile(tmp_path / "p.json", layers=(5,), top_p=0.999)
     cfg = _server_args([*base, "--uniprefill-profile", mine, "--uniprefill-top-p", "0.9"]) \
         .uniprefill_config()
-    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((5,), 0.9, 32)
+    assert (cfg.drop_layers, cfg.top_p, cfg.block_size) == ((5,), (0.9,), 32)
     cfg = _server_args([*base, "--uniprefill-profile", "none"]).uniprefill_config()
-    assert cfg.drop_layers is None and cfg.top_p == 0.99 and cfg.block_size == DEFAULT_BLOCK_SIZE
+    assert cfg.drop_layers is None and cfg.top_p == (0.99,) and cfg.block_size == DEFAULT_BLOCK_SIZE
 
 
 # ---- end to end -------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ REQUESTS = {
     "keep_all": {"uniprefill_keep_ratio": 1.0},  # lets nothing go: under any bound
     "ratio": {BOUND_KNOB: 1.0, "uniprefill_keep_ratio": 0.5},
     "top_p": {BOUND_KNOB: 1.0, "uniprefill_top_p": 0.9},
+    "top_p_per_drop": {BOUND_KNOB: 1.0, "uniprefill_top_p": [1.0, 0.9]},  # the last repeats
     "knob_bound": {BOUND_KNOB: 0.001, "uniprefill_keep_ratio": 0.5},
 }
 
@@ -89,6 +90,17 @@ def test_each_drop_reports_the_mass_it_let_go(bound_run):
             assert (m == 0.0) == (kept[k + 1] == kept[k]), entry
     # Top-p keeps blocks holding at least 0.9 of the mass it scores at each drop.
     assert all(m <= 0.1 + 1e-4 for m in bound_run["top_p"][1]["dropped_mass"])
+
+
+def test_a_top_p_per_drop_applies_at_its_drop(bound_run):
+    """[1.0, 0.9]: the first drop keeps every block, the second and third keep 0.9 of the mass
+    (the last value repeats)."""
+    entry = bound_run["top_p_per_drop"][1]
+    assert entry["enabled"] and entry["reason"] is None, entry
+    masses, kept = entry["dropped_mass"], entry["kept_tokens"]
+    assert masses[0] == 0.0 and kept[1] == kept[0], entry
+    assert masses[1] > 0.0 and kept[2] < kept[1], entry
+    assert all(m <= 0.1 + 1e-4 for m in masses[1:]), entry
 
 
 def test_keeping_every_block_lets_nothing_go_and_passes_a_zero_bound(bound_run):

@@ -27,11 +27,12 @@ BAD = [
     ({"uniprefill_top_p": 2}, "uniprefill_top_p", "in (0, 1], got 2.0"),
     ({"uniprefill_top_p": -1}, "uniprefill_top_p", "in (0, 1], got -1.0"),
     ({"uniprefill_top_p": 0}, "uniprefill_top_p", "in (0, 1], got 0.0"),
-    ({"uniprefill_top_p": "abc"}, "uniprefill_top_p", "must be a number"),
-    ({"uniprefill_top_p": "0.5"}, "uniprefill_top_p", "must be a number"),
+    ({"uniprefill_top_p": "abc"}, "uniprefill_top_p", "comma-separated"),
+    ({"uniprefill_top_p": "0.99,1.5"}, "uniprefill_top_p", "[1] must be in (0, 1]"),
     ({"uniprefill_top_p": None}, "uniprefill_top_p", "null"),
     ({"uniprefill_top_p": True}, "uniprefill_top_p", "got true"),
-    ({"uniprefill_top_p": [0.5]}, "uniprefill_top_p", "must be a number"),
+    ({"uniprefill_top_p": [0.5, "x"]}, "uniprefill_top_p", "[1] must be a number"),
+    ({"uniprefill_top_p": []}, "uniprefill_top_p", "non-empty"),
     ({"uniprefill_top_p": math.nan}, "uniprefill_top_p", "got nan"),
     ({"uniprefill_top_p": math.inf}, "uniprefill_top_p", "got inf"),
     ({"uniprefill_keep_ratio": [0.5, 0]}, "uniprefill_keep_ratio", "[1] must be in (0, 1]"),
@@ -76,23 +77,27 @@ def test_bad_knobs_raise_a_value_error_naming_the_knob(params, knob, reason):
 
 def test_server_defaults_without_knobs():
     for params in (None, {}, {"__req__": object(), "thinking_budget": 5}, "not a dict"):
-        assert parse_request_knobs(params, TOP_P_SERVER) == RequestKnobs(True, DEFAULT_TOP_P, ())
-        assert parse_request_knobs(params, KEEP_SERVER) == RequestKnobs(True, DEFAULT_TOP_P,
+        assert parse_request_knobs(params, TOP_P_SERVER) == RequestKnobs(True, (DEFAULT_TOP_P,),
+                                                                         ())
+        assert parse_request_knobs(params, KEEP_SERVER) == RequestKnobs(True, (DEFAULT_TOP_P,),
                                                                         (0.3, 0.6))
 
 
 def test_good_knobs():
     parse = parse_request_knobs
-    assert parse({"uniprefill": False}, TOP_P_SERVER) == RequestKnobs(False, DEFAULT_TOP_P, ())
+    assert parse({"uniprefill": False}, TOP_P_SERVER) == RequestKnobs(False, (DEFAULT_TOP_P,), ())
     assert parse({"uniprefill": True}, KEEP_SERVER).keep_ratio == (0.3, 0.6)
     # A per-request top-p replaces a server keep ratio, and the other way round.
-    assert parse({"uniprefill_top_p": 0.9}, KEEP_SERVER) == RequestKnobs(True, 0.9, ())
-    assert parse({"uniprefill_top_p": 1}, TOP_P_SERVER) == RequestKnobs(True, 1.0, ())
+    assert parse({"uniprefill_top_p": 0.9}, KEEP_SERVER) == RequestKnobs(True, (0.9,), ())
+    assert parse({"uniprefill_top_p": 1}, TOP_P_SERVER) == RequestKnobs(True, (1.0,), ())
+    # One top-p per drop layer, as a list or a comma-separated string (the last repeats).
+    assert parse({"uniprefill_top_p": [0.995, 0.9]}, TOP_P_SERVER).top_p == (0.995, 0.9)
+    assert parse({"uniprefill_top_p": "0.995,0.9"}, KEEP_SERVER).top_p == (0.995, 0.9)
     assert parse({"uniprefill_keep_ratio": 0.5}, TOP_P_SERVER).keep_ratio == (0.5,)
     assert parse({"uniprefill_keep_ratio": [0.2, 1]}, TOP_P_SERVER).keep_ratio == (0.2, 1.0)
     assert parse({"uniprefill_keep_ratio": "0.2, 0.4"}, TOP_P_SERVER).keep_ratio == (0.2, 0.4)
     # Keys of other plugins pass untouched next to ours.
-    assert parse({"uniprefill_top_p": 0.8, "my_plugin_knob": "x"}, TOP_P_SERVER).top_p == 0.8
+    assert parse({"uniprefill_top_p": 0.8, "my_plugin_knob": "x"}, TOP_P_SERVER).top_p == (0.8,)
     assert parse({}, TOP_P_SERVER).prefix_policy == "verify"
     assert parse({"uniprefill_prefix_policy": "reselect"}, TOP_P_SERVER).prefix_policy == "reselect"
     server = build_config(**{**FLAGS, "prefix_policy": "reuse-sparse"})

@@ -66,13 +66,22 @@ DENSE = {"uniprefill": False}
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     drop_layers: tuple[int, ...]
-    top_p: float
+    top_p: tuple[float, ...]  # one per drop (the last repeats); a number is one for all
     block_size: int
+
+    def __post_init__(self):
+        top_p = (self.top_p,) if isinstance(self.top_p, (int, float)) else self.top_p
+        object.__setattr__(self, "top_p", tuple(float(p) for p in top_p))
 
     @property
     def name(self) -> str:
         layers = ",".join(map(str, self.drop_layers))
-        return f"layers {layers} top-p {self.top_p:g} block {self.block_size}"
+        top_p = ",".join(f"{p:g}" for p in self.top_p)
+        return f"layers {layers} top-p {top_p} block {self.block_size}"
+
+    def top_p_json(self):
+        """As a profile and a request's knob carry it: a number when one serves every drop."""
+        return self.top_p[0] if len(self.top_p) == 1 else list(self.top_p)
 
 
 @dataclasses.dataclass
@@ -184,9 +193,19 @@ def candidate_layer_sets(num_layers: int, max_drops: int = MAX_DROPS,
     return sets
 
 
-def candidate_schedules(layer_sets, top_ps=TOP_P_GRID, block_sizes=BLOCK_SIZES) -> list[Schedule]:
-    return [Schedule(tuple(ls), float(p), int(b))
-            for ls in layer_sets for b in block_sizes for p in top_ps]
+def candidate_schedules(layer_sets, top_ps=TOP_P_GRID, block_sizes=BLOCK_SIZES,
+                        later_top_ps=()) -> list[Schedule]:
+    """Every layer set x block size x top-p; with `later_top_ps`, a set of several drops is
+    also tried with each of those at its later drops (the first drop keeping its own top-p)."""
+    out = []
+    for ls in layer_sets:
+        for b in block_sizes:
+            for p in top_ps:
+                out.append(Schedule(tuple(ls), float(p), int(b)))
+                if len(ls) > 1:
+                    out += [Schedule(tuple(ls), (float(p), float(q)), int(b))
+                            for q in later_top_ps if q != p]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,17 +327,22 @@ class ScheduleReplay:
         return score_segment_reference(self.queries[layer], self.query_pos,
                                        self.keys[layer][positions], positions, self.sm_scale)
 
-    def survivors(self, drop_layers: tuple[int, ...], top_p: float, block_size: int):
-        """Positions left after the last of ``drop_layers``."""
+    def survivors(self, drop_layers: tuple[int, ...], top_p, block_size: int):
+        """Positions left after the last of ``drop_layers``; ``top_p`` one per drop (the last
+        repeats), or one number for all."""
         import torch
 
         from uniprefill_sglang.kernels.reference import select_segment_reference
 
         if not drop_layers:
             return torch.arange(self.num_tokens)
+        from uniprefill_sglang.config import per_drop
+
+        top_p = (top_p,) if isinstance(top_p, (int, float)) else top_p
+        top_p = tuple(float(per_drop(top_p, i)) for i in range(len(drop_layers)))
         key = (drop_layers, top_p, block_size)
         if key not in self._survivors:
-            before = self.survivors(drop_layers[:-1], top_p, block_size)
+            before = self.survivors(drop_layers[:-1], top_p[:-1], block_size)
             layer = drop_layers[-1]
             if len(drop_layers) == 1:  # every token scores: shared by all top-p / block sizes
                 if layer not in self._first_scores:
@@ -326,7 +350,7 @@ class ScheduleReplay:
                 scores = self._first_scores[layer]
             else:
                 scores = self._scores(layer, before)
-            keep = select_segment_reference(scores, before, block_size, top_p, 0.0,
+            keep = select_segment_reference(scores, before, block_size, top_p[-1], 0.0,
                                             self.sink_tokens, self.last_queries)
             self._survivors[key] = before[keep]
         return self._survivors[key]
@@ -366,7 +390,7 @@ def estimate_cases(model_path: str, cases, schedules: Sequence[Schedule], heatma
         single = {}
         for layer in heatmap_layers:
             for p in top_ps:
-                final = replay.survivors((layer,), p, heatmap_layers[layer])
+                final = replay.survivors((layer,), (p,), heatmap_layers[layer])
                 single[(layer, p)] = (final.numel() / replay.num_tokens,
                                       needle_survives(final, spans))
         records.append({"case": case, "hf_dense_text": text,
@@ -515,7 +539,7 @@ def confirm_candidates(setup: Setup, engines: EngineSwitcher, rows: list[dict],
         for r in group:
             s, runs, misses = r["schedule"], [], 0
             for c in _progress_bar(right, f"confirm {s.name}", setup.progress):
-                res = {"case": c.name, **generate(engine, c, {"uniprefill_top_p": s.top_p})}
+                res = {"case": c.name, **generate(engine, c, {"uniprefill_top_p": s.top_p_json()})}
                 runs.append(res)
                 misses += not res["correct"]
                 if misses > allowed_misses:  # cannot meet the target any more
@@ -542,7 +566,7 @@ def choose_schedule(confirmed: list[dict], target_agreement: float, longest: int
 def heldout_summary(setup: Setup, engine, schedule: Schedule, dense: dict, desc: str) -> dict:
     """`schedule` on the held-out cases dense answers right (dense already answered them all)."""
     right = [c for c in setup.heldout if dense[c.name]["correct"]]
-    runs = [{"case": c.name, **generate(engine, c, {"uniprefill_top_p": schedule.top_p})}
+    runs = [{"case": c.name, **generate(engine, c, {"uniprefill_top_p": schedule.top_p_json()})}
             for c in _progress_bar(right, desc, setup.progress)]
     return measured_summary(runs, dense, setup.heldout, schedule, setup.shape, setup.lengths)
 
@@ -610,7 +634,7 @@ def table(rows: list[dict], lengths) -> str:
 
 
 def _schedule_json(schedule: Schedule) -> dict:
-    return {"drop_layers": list(schedule.drop_layers), "top_p": schedule.top_p,
+    return {"drop_layers": list(schedule.drop_layers), "top_p": schedule.top_p_json(),
             "block_size": schedule.block_size}
 
 
@@ -673,6 +697,9 @@ def parse_args(argv=None):
                     help="held-out seeds (none of --seeds; also from tasks.TUNING_SEEDS: the "
                          "REPORTING_SEEDS stay unseen by calibration)")
     ap.add_argument("--top-p", default=",".join(map(str, TOP_P_GRID)), help="top-p candidates")
+    ap.add_argument("--later-top-p", default="",
+                    help="top-p candidates for the drops after the first (empty: each schedule "
+                         "keeps one top-p at every drop)")
     ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
     ap.add_argument("--max-drops", type=int, default=MAX_DROPS)
     ap.add_argument("--offline-threads", type=int, default=None,
@@ -836,7 +863,8 @@ def search_space(args, shape: ModelShape) -> SearchSpace:
                                           shape.full_layers)
     return SearchSpace(
         layer_sets=layer_sets,
-        schedules=candidate_schedules(layer_sets, _floats(args.top_p), _ints(args.block_sizes)),
+        schedules=candidate_schedules(layer_sets, _floats(args.top_p), _ints(args.block_sizes),
+                                      _floats(args.later_top_p) if args.later_top_p else ()),
         default=shape.default_schedule(),
         # Every layer that a candidate drops first at, at the smallest block size.
         heatmap_layers={ls[0]: min(_ints(args.block_sizes)) for ls in layer_sets})
@@ -981,6 +1009,7 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
         "search": {"schedules": len(space.schedules),
                    "layer_sets": [list(l) for l in space.layer_sets],
                    "top_p": _floats(args.top_p), "block_sizes": _ints(args.block_sizes),
+                   "later_top_p": _floats(args.later_top_p) if args.later_top_p else [],
                    "meeting_target_by_estimate": len(est.passing), "confirmed": len(conf.confirmed),
                    "engines_started": conf.engines_started},
         "timing_s": {"total": round(duration, 1), "offline": round(est.seconds, 1),

@@ -60,7 +60,7 @@ class Profile:
     """The schedule of a calibration profile and the model it was calibrated for."""
     path: str
     drop_layers: tuple[int, ...]
-    top_p: float
+    top_p: tuple[float, ...]  # one per drop (the last repeats)
     block_size: int
     architecture: Optional[str] = None
     num_layers: Optional[int] = None
@@ -80,11 +80,12 @@ def load_profile(path: str) -> Profile:
         data = json.loads(Path(path).read_text())
         schedule, model = data["schedule"], data.get("model", {})
         return Profile(path=str(path), drop_layers=tuple(int(l) for l in schedule["drop_layers"]),
-                       top_p=float(schedule["top_p"]), block_size=int(schedule["block_size"]),
+                       top_p=parse_fractions(schedule["top_p"], "the profile's top_p"),
+                       block_size=int(schedule["block_size"]),
                        architecture=model.get("architecture"), num_layers=model.get("num_layers"),
                        hidden_size=model.get("hidden_size"),
                        max_dropped_mass=_optional_float(schedule.get("max_dropped_mass")))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, UniPrefillConfigError) as e:
         raise UniPrefillConfigError(
             f"--uniprefill-profile {path}: not a readable UniPrefill profile ({e!r})") from None
 
@@ -108,8 +109,9 @@ def default_drop_layers(num_layers: int) -> tuple[int, ...]:
     return arch_table.scaled_reference_layers(num_layers)
 
 
-def parse_keep_ratios(value, flag: str = "--uniprefill-keep-ratio") -> Optional[tuple[float, ...]]:
-    """Accept None, 0.5, "0.5", "0.5,0.8" or a sequence: one ratio per drop (the last repeats)."""
+def parse_fractions(value, flag: str) -> Optional[tuple[float, ...]]:
+    """Accept None, 0.5, "0.5", "0.5,0.8" or a sequence: one fraction in (0, 1] per drop (the
+    last repeats), as the keep-ratio, top-p and stage-KV flags take them."""
     if value is None:
         return None
     try:
@@ -150,7 +152,8 @@ def parse_drop_layers(value) -> Optional[tuple[int, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class UniPrefillConfig:
-    top_p: float = DEFAULT_TOP_P
+    # Attention mass kept at each drop, one per drop layer (the last repeats).
+    top_p: tuple[float, ...] = (DEFAULT_TOP_P,)
     # One fraction per drop layer (the last repeats); None: select by top-p.
     keep_ratio: Optional[tuple[float, ...]] = None
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -178,6 +181,9 @@ class UniPrefillConfig:
     # (its own top-p or keep ratio) is not held to it.
     bound_from_profile: bool = False
 
+    def top_p_at(self, drop_index: int) -> float:
+        return per_drop(self.top_p, drop_index)
+
     @property
     def min_tokens_to_drop(self) -> int:
         """Below this many new tokens a step runs dense (the method needs sinks + last window)."""
@@ -195,9 +201,14 @@ class UniPrefillConfig:
             num_layers, arch_table.full_attention_layers(layer_types, num_layers))
 
 
+def per_drop(values: Sequence[float], drop_index: int) -> float:
+    """The value of a one-per-drop list at the given drop (the last repeats)."""
+    return values[min(drop_index, len(values) - 1)]
+
+
 def build_config(
     *,
-    top_p: Optional[float],
+    top_p,
     keep_ratio,
     block_size: Optional[int],
     sink_tokens: int,
@@ -223,13 +234,13 @@ def build_config(
             profile, drop_layers, top_p, keep_ratio, block_size, max_dropped_mass)
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
-    keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
+    top_ps, keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
     _check_minimum("--uniprefill-sink-tokens", sink_tokens, 0)
     _check_minimum("--uniprefill-last-queries", last_queries, 1)
     _check_minimum("--uniprefill-min-prompt-tokens", min_prompt_tokens, 0)
     _check_minimum("--uniprefill-max-parked-tokens", max_parked_tokens, 0, " (0 disables parking)")
     _check_choice("--uniprefill-prefix-policy", prefix_policy, PREFIX_POLICIES)
-    fractions = parse_keep_ratios(stage_kv_fraction, flag="--uniprefill-stage-kv-fraction")
+    fractions = parse_fractions(stage_kv_fraction, "--uniprefill-stage-kv-fraction")
     if kv_layout is None:
         smaller = fractions is not None or keep_ratios is not None
         kv_layout = "staged" if smaller else "shared"
@@ -240,7 +251,7 @@ def build_config(
             "--uniprefill-max-dropped-mass must be in [0, 1] (the share of a request's attention "
             f"mass its first drop may let go), got {max_dropped_mass}")
     return UniPrefillConfig(
-        top_p=DEFAULT_TOP_P if top_p is None else float(top_p),
+        top_p=top_ps or (DEFAULT_TOP_P,),
         keep_ratio=keep_ratios,
         block_size=int(block_size),
         sink_tokens=int(sink_tokens),
@@ -275,21 +286,21 @@ def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size,
     return drop_layers, top_p, block_size, max_dropped_mass, bound_from_profile
 
 
-def _parse_selection(top_p: Optional[float], keep_ratio, block_size: int):
-    """Check how blocks are selected; return the parsed keep ratios (None: by top-p)."""
+def _parse_selection(top_p, keep_ratio, block_size: int):
+    """Check how blocks are selected; return the parsed top-p values and keep ratios (None:
+    unset)."""
     if top_p is not None and keep_ratio is not None:
         raise UniPrefillConfigError(
             "--uniprefill-top-p and --uniprefill-keep-ratio are mutually exclusive: "
             "set at most one (top-p selects by attention mass, keep-ratio by a fixed budget)"
         )
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise UniPrefillConfigError(f"--uniprefill-top-p must be in (0, 1], got {top_p}")
-    keep_ratios = parse_keep_ratios(keep_ratio)
+    top_ps = parse_fractions(top_p, "--uniprefill-top-p")
+    keep_ratios = parse_fractions(keep_ratio, "--uniprefill-keep-ratio")
     if block_size < 1 or block_size & (block_size - 1):
         raise UniPrefillConfigError(
             f"--uniprefill-block-size must be a power of two >= 1, got {block_size}"
         )
-    return keep_ratios
+    return top_ps, keep_ratios
 
 
 def _check_minimum(flag: str, value: int, minimum: int, note: str = "") -> None:

@@ -184,7 +184,7 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
         c.query_counts.append(num_q)
         c.key_counts.append(prefix_slots.numel() + joined + n)
         c.prefix_counts.append(prefix_slots.numel())
-        c.top_p.append(d.top_p)
+        c.top_p.append(d.top_p_at(drop_index))
         c.keep_ratio.append(d.ratio_at(drop_index))
         step.selecting.append((b, rows, joined))
     if step.selecting:
@@ -299,7 +299,7 @@ def warm_up(rt, attn, dtype) -> None:
     queries = torch.randn(q, attn.tp_q_head_num, attn.qk_head_dim, generator=gen,
                           device=device).to(dtype)
     positions = torch.arange(n, device=device)
-    for top_p, ratio in ((rt.config.top_p, 0.0), (1.0, 0.5)):
+    for top_p, ratio in ((rt.config.top_p_at(0), 0.0), (1.0, 0.5)):
         cands = DropCandidates(queries, positions[-q:], [q], positions + 1, positions, [n],
                                [0], [top_p], [ratio])
         select_survivors(cands, buffer, attn.scaling, rt.rule)

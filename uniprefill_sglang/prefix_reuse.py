@@ -193,7 +193,7 @@ class PrefixReuse:
             outcome = ctx.report.prefix_outcomes[b]
             if b in missing:
                 outcome.missing_mass, outcome.dropped_mass = missing[b], dropped[b]
-                outcome.tolerance = reuse_tolerance(ctx.plan.decisions[b].top_p)
+                outcome.tolerance = reuse_tolerance(ctx.plan.decisions[b].top_p_at(0))
                 if outcome.missing_mass <= outcome.tolerance:
                     outcome.why = "the cached survivors cover this request's selection"
                     continue
@@ -236,7 +236,7 @@ class PrefixReuse:
             cached += [held, own]
             qc.append(own_q.shape[0])
             kc.append(fixed_len + n)
-            top_p.append(d.top_p)
+            top_p.append(d.top_p_at(0))
             ratio.append(d.ratio_at(0))
         cands = DropCandidates(torch.cat(queries), torch.cat(query_pos), qc, torch.cat(keys),
                                torch.cat(key_pos), kc, [0] * len(verifying), top_p, ratio)

@@ -6,9 +6,11 @@ Clients set the knobs in ``sampling_params["custom_params"]`` (``/generate``) or
 body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_params": {...}}``):
 
 * ``uniprefill``: ``true``/``false``; ``false`` runs the request dense.
-* ``uniprefill_top_p``: a number in (0, 1]: keep blocks holding this much attention mass.
-* ``uniprefill_keep_ratio``: a number in (0, 1], a non-empty list of them (one per drop layer, the
-  last repeats) or a comma-separated string of them (as ``--uniprefill-keep-ratio``).
+* ``uniprefill_top_p``: keep blocks holding this much attention mass: a number in (0, 1], a
+  non-empty list of them (one per drop layer, the last repeats) or a comma-separated string of
+  them (as ``--uniprefill-top-p``).
+* ``uniprefill_keep_ratio``: a fixed fraction of the blocks instead, in the same forms (as
+  ``--uniprefill-keep-ratio``).
 * ``uniprefill_prefix_policy``: one of ``verify``, ``reselect``, ``reuse-sparse``,
   ``dense-prefix`` (as ``--uniprefill-prefix-policy``; prefix_reuse.py).
 * ``uniprefill_max_dropped_mass``: a number in [0, 1] (as ``--uniprefill-max-dropped-mass``): a
@@ -51,7 +53,7 @@ class RequestKnobError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RequestKnobs:
     enabled: bool  # False: the request asked to run dense
-    top_p: float
+    top_p: tuple  # one per drop (the last repeats)
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: select by top-p
     prefix_policy: str = DEFAULT_PREFIX_POLICY
     max_dropped_mass: Optional[float] = None  # None: no bound
@@ -95,31 +97,33 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _keep_ratios(value: Any) -> tuple:
+def _per_drop(knob: str, value: Any) -> tuple:
+    """A fraction, or one per drop layer (a list or a comma-separated string; the last
+    repeats)."""
     if isinstance(value, str):
         parts = [p for p in value.replace(" ", "").split(",") if p]
         if not parts:
             raise RequestKnobError(
-                f"{_name(KEEP_RATIO)} must be a fraction in (0, 1] or a list of them, "
+                f"{_name(knob)} must be a fraction in (0, 1] or a list of them, "
                 f"got {_show(value)}")
-        ratios = []
+        fractions = []
         for i, p in enumerate(parts):
             try:
                 number = float(p)
             except ValueError:
                 raise RequestKnobError(
-                    f"{_name(KEEP_RATIO)} must be a fraction in (0, 1] or a comma-separated "
+                    f"{_name(knob)} must be a fraction in (0, 1] or a comma-separated "
                     f"list of them, got {_show(value)}") from None
             suffix = f"[{i}]" if len(parts) > 1 else ""
-            ratios.append(_fraction(KEEP_RATIO, number, suffix))
-        return tuple(ratios)
+            fractions.append(_fraction(knob, number, suffix))
+        return tuple(fractions)
     if isinstance(value, (list, tuple)):
         if not value:
             raise RequestKnobError(
-                f"{_name(KEEP_RATIO)} must be a fraction in (0, 1] or a non-empty list of them, "
+                f"{_name(knob)} must be a fraction in (0, 1] or a non-empty list of them, "
                 "got []")
-        return tuple(_fraction(KEEP_RATIO, v, f"[{i}]") for i, v in enumerate(value))
-    return (_fraction(KEEP_RATIO, value),)
+        return tuple(_fraction(knob, v, f"[{i}]") for i, v in enumerate(value))
+    return (_fraction(knob, value),)
 
 
 def _is_ours(key: Any) -> bool:
@@ -151,9 +155,9 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
             f"{_name(TOP_P)} and {_name(KEEP_RATIO)} are mutually exclusive: set at most one "
             "(top-p selects by attention mass, keep-ratio by a fixed budget)")
     if TOP_P in custom_params:
-        top_p, keep_ratio = _fraction(TOP_P, custom_params[TOP_P]), ()
+        top_p, keep_ratio = _per_drop(TOP_P, custom_params[TOP_P]), ()
     elif KEEP_RATIO in custom_params:
-        keep_ratio = _keep_ratios(custom_params[KEEP_RATIO])
+        keep_ratio = _per_drop(KEEP_RATIO, custom_params[KEEP_RATIO])
     if config.bound_from_profile and (TOP_P in custom_params or KEEP_RATIO in custom_params):
         bound = None  # calibrated with the profile's top-p, not with this selection
     if PREFIX_POLICY in custom_params:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from typing import List, Optional
 
-from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig
+from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig, per_drop
 from uniprefill_sglang.patches import versions
 from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 
@@ -39,7 +39,7 @@ def log_fallback_once(reason: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class RequestDecision:
     enabled: bool
-    top_p: float
+    top_p: tuple  # attention mass kept, one per drop (the last repeats)
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: use top-p
     reason: Optional[str] = None  # why the request runs dense this step (the drop may add a
     # note, e.g. too few tokens to score: DropContext.note)
@@ -64,9 +64,10 @@ class RequestDecision:
 
     def ratio_at(self, drop_index: int) -> float:
         """Keep ratio of the given drop, or 0.0 for top-p selection."""
-        if not self.keep_ratio:
-            return 0.0
-        return self.keep_ratio[min(drop_index, len(self.keep_ratio) - 1)]
+        return per_drop(self.keep_ratio, drop_index) if self.keep_ratio else 0.0
+
+    def top_p_at(self, drop_index: int) -> float:
+        return per_drop(self.top_p, drop_index)
 
 
 @dataclasses.dataclass(frozen=True)

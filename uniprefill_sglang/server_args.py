@@ -68,8 +68,9 @@ class UniPrefillServerArgs(ServerArgs):
         ),
     ] = False
     uniprefill_top_p: A[
-        Optional[float],
-        Arg(help="UniPrefill: attention mass of blocks to keep at each drop, in (0, 1] (default 0.99; Gemma 3: 0.975)."),
+        Optional[str],
+        Arg(help="UniPrefill: attention mass of blocks to keep at each drop, in (0, 1] (default 0.99; Gemma 3: 0.975); "
+                 "a comma-separated list gives one per drop layer (the last repeats)."),
     ] = None
     uniprefill_keep_ratio: A[
         Optional[str],
@@ -318,7 +319,7 @@ class UniPrefillServerArgs(ServerArgs):
         logger.info("UniPrefill profile %s: drop layers %s, %s, block size %d", profile.path,
                     list(config.resolved_drop_layers(num_layers, architectures,
                                                      facts.layer_types)),
-                    f"keep ratio {config.keep_ratio}" if config.keep_ratio else f"top-p {config.top_p}",
+                    f"keep ratio {config.keep_ratio}" if config.keep_ratio else f"top-p {list(config.top_p)}",
                     config.block_size)
 
     def _apply_architecture_prefix_cache(self, architectures):
