@@ -57,10 +57,11 @@ def _reference(engine, ids):
 
 
 def _shipped_top_p() -> float:
-    """The top-p of SmolLM2's shipped profile, which these engines run."""
+    """The first drop's top-p of SmolLM2's shipped profile, which these engines run (prefix
+    re-selection uses the first drop's)."""
     from uniprefill_sglang.config import find_shipped_profile
 
-    return find_shipped_profile(["LlamaForCausalLM"], 30, 576).top_p
+    return find_shipped_profile(["LlamaForCausalLM"], 30, 576).top_p[0]
 
 
 def _assert_idle(engine):
