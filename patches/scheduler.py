@@ -68,15 +68,12 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
     return result
 
 
-def _one_or_list(per_drop: tuple):
-    """A one-per-drop value as reported: a number when one serves every drop."""
-    return per_drop[0] if len(per_drop) == 1 else list(per_drop)
-
-
 def _selection(config) -> dict:
     """The selection knobs in force (each flag's, else the profile's, else the default): the
     server args SGLang reports leave unset what a profile supplied."""
-    return {"top_p": None if config.keep_ratio else _one_or_list(config.top_p),
+    from uniprefill_sglang.config import one_or_list
+
+    return {"top_p": None if config.keep_ratio else one_or_list(config.top_p),
             "keep_ratio": list(config.keep_ratio) if config.keep_ratio else None,
             "block_size": config.block_size, "sink_tokens": config.sink_tokens,
             "last_queries": config.last_queries, "prefix_policy": config.prefix_policy,

@@ -70,8 +70,9 @@ class Schedule:
     block_size: int
 
     def __post_init__(self):
-        top_p = (self.top_p,) if isinstance(self.top_p, (int, float)) else self.top_p
-        object.__setattr__(self, "top_p", tuple(float(p) for p in top_p))
+        from uniprefill_sglang.config import parse_fractions
+
+        object.__setattr__(self, "top_p", parse_fractions(self.top_p, "a schedule's top-p"))
 
     @property
     def name(self) -> str:
@@ -80,8 +81,10 @@ class Schedule:
         return f"layers {layers} top-p {top_p} block {self.block_size}"
 
     def top_p_json(self):
-        """As a profile and a request's knob carry it: a number when one serves every drop."""
-        return self.top_p[0] if len(self.top_p) == 1 else list(self.top_p)
+        """As a profile and a request's knob carry it (config.one_or_list)."""
+        from uniprefill_sglang.config import one_or_list
+
+        return one_or_list(self.top_p)
 
 
 @dataclasses.dataclass
@@ -336,10 +339,10 @@ class ScheduleReplay:
 
         if not drop_layers:
             return torch.arange(self.num_tokens)
-        from uniprefill_sglang.config import per_drop
+        from uniprefill_sglang.config import parse_fractions, per_drop
 
-        top_p = (top_p,) if isinstance(top_p, (int, float)) else top_p
-        top_p = tuple(float(per_drop(top_p, i)) for i in range(len(drop_layers)))
+        top_p = parse_fractions(top_p, "a replay's top-p")
+        top_p = tuple(per_drop(top_p, i) for i in range(len(drop_layers)))
         key = (drop_layers, top_p, block_size)
         if key not in self._survivors:
             before = self.survivors(drop_layers[:-1], top_p[:-1], block_size)

@@ -206,6 +206,12 @@ def per_drop(values: Sequence[float], drop_index: int) -> float:
     return values[min(drop_index, len(values) - 1)]
 
 
+def one_or_list(values: Sequence[float]):
+    """A one-per-drop list as a profile, a knob and the server state carry it: a number when
+    one value serves every drop."""
+    return values[0] if len(values) == 1 else list(values)
+
+
 def build_config(
     *,
     top_p,
