@@ -66,6 +66,18 @@ def _timed(engine, prompts, params):
     return time.perf_counter() - start, out
 
 
+def request_stages(meta: dict) -> dict:
+    """Where a request's time went, from SGLang's request time stats (`enable_metrics`): ms
+    from arrival to its first forward, from there to its prefill's result processed (the
+    forward, and under the overlap scheduler the next step's launch), and on to completion."""
+    marks = [meta.get(k) for k in ("request_received_ts", "forward_entry_time",
+                                   "prefill_finished_time", "request_finished_ts")]
+    if any(m is None for m in marks):
+        return {}
+    names = ("to_forward", "forward_to_result", "result_to_finish")
+    return {n: round((b - a) * 1e3, 2) for n, a, b in zip(names, marks, marks[1:])}
+
+
 def _median(seconds: list) -> float:
     return round(statistics.median(seconds), 4)
 
@@ -125,6 +137,7 @@ class Workloads:
         self.engine, self.result, self.args = engine, result, args
         self.vocab, self.lengths = vocab, lengths
         self.rng = random.Random(args.seed)
+        self.dense_rng = random.Random(args.seed + 1)
         self.todo = set(args.workloads.split(","))
         self.plugin = result["config"] != "stock"
 
@@ -132,6 +145,13 @@ class Workloads:
         from uniprefill_sglang.tools.cpu_engine import flush_cache
 
         flush_cache(self.engine)
+
+    def between_singles(self) -> None:
+        """`--between-singles flush` empties the radix cache and with it torch's CUDA cache
+        (SGLang's flush_cache does both), so a step that runs eagerly allocates its activations
+        anew in every sample, which a serving process does only once; `none` leaves both."""
+        if self.args.between_singles == "flush":
+            self.flush()
 
     def ids(self, n: int) -> list:
         return _ids(self.rng, n, self.vocab)
@@ -182,18 +202,25 @@ class Workloads:
         for n in self.lengths if "single" in self.todo else []:
             prompts = [self.ids(n) for _ in range(
                 self.args.repeats if n <= 32768 else self.args.long_repeats)]
-            times, dense_times, rejoins = [], [], []
+            times, dense_times, rejoins, stages, allocs = [], [], [], [], []
             for prompt in prompts:
                 seconds, out = _timed(self.engine, prompt, self.ONE_TOKEN)
                 times.append(round(seconds, 4))
+                stages.append(request_stages(out.get("meta_info", {})))
                 if self.plugin:  # the memory its parked rows' rejoin took, if they rejoined
-                    rejoins.append(self.plugin_state().get("last_rejoin"))
-                self.flush()
+                    state = self.plugin_state()
+                    rejoins.append(state.get("last_rejoin"))
+                    allocs.append(state.get("device_allocs"))
+                self.between_singles()
                 if self.plugin and len(prompts) > 1:
-                    seconds, _ = _timed(self.engine, prompt, {**self.ONE_TOKEN, "custom_params": {
+                    # Under --between-singles none the cache holds `prompt`: a fresh one of
+                    # the same length, from a generator of its own (the others' prompts stay).
+                    again = prompt if self.args.between_singles == "flush" else _ids(
+                        self.dense_rng, n, self.vocab)
+                    seconds, _ = _timed(self.engine, again, {**self.ONE_TOKEN, "custom_params": {
                         "uniprefill": False}})
                     dense_times.append(round(seconds, 4))
-                    self.flush()
+                    self.between_singles()
                 # Saved as it goes: a long prompt's row is worth keeping if a later one is cut.
                 self.result["single"][str(n)] = {"all_s": times, "dense_same_engine_all_s":
                                                  dense_times, "partial": True, **_meta(out)}
@@ -201,6 +228,10 @@ class Workloads:
             row = {"ttft_s": _median(times), "first_s": times[0], "all_s": times, **_meta(out)}
             if any(rejoins):
                 row["last_rejoin"] = rejoins
+            if any(stages):
+                row["request_stages_ms"] = stages
+            if any(a is not None for a in allocs):  # torch's device allocations so far
+                row["device_allocs_after_each"] = allocs
             if dense_times:
                 row["dense_same_engine_s"] = _median(dense_times)
                 row["dense_same_engine_all_s"] = dense_times
@@ -245,6 +276,8 @@ class Workloads:
                 follow.append({"seconds": round(seconds, 4),
                                "cached_tokens": out["meta_info"].get("cached_tokens"),
                                **_meta(out)})
+                if request_stages(out["meta_info"]):
+                    follow[-1]["request_stages_ms"] = request_stages(out["meta_info"])
             self.result["follow_ups"][str(doc_len)] = {
                 "first_s": round(first, 4), "first": _meta(first_out), "follow": follow,
                 "median_s": _median([f["seconds"] for f in follow])}
@@ -315,6 +348,9 @@ def main() -> None:
     ap.add_argument("--long-repeats", type=int, default=1,
                     help="fresh prompts per length above 32K; more than one times each dense "
                          "in the same engine too (the first pays the first-use compilation)")
+    ap.add_argument("--between-singles", choices=("flush", "none"), default="flush",
+                    help="between single requests: empty the radix cache and torch's CUDA "
+                         "cache (flush) or nothing (none: prompts differ, nothing is reused)")
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
@@ -350,6 +386,7 @@ def main() -> None:
                "--lengths", mine["lengths"], "--doc-tokens", args.doc_tokens,
                "--workloads", mine["workloads"], "--follow-ups", str(args.follow_ups),
                "--repeats", str(args.repeats), "--long-repeats", str(args.long_repeats),
+               "--between-singles", args.between_singles,
                "--attention-backend", args.attention_backend, "--seed", str(args.seed),
                "--batch-sizes", args.batch_sizes, "--extra", args.extra, "--device", args.device,
                "--out", args.out, "--one-config", name, "--partial", partial]

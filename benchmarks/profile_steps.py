@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_prefill import Runner, engine_kwargs_for  # noqa: E402
+from defaults import request_stages  # noqa: E402
 from result_header import result_header  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
@@ -123,7 +124,7 @@ def _measure_followups(runner, args, modes, result) -> None:
                                          sampling_params=params)
             times.append(time.perf_counter() - start)
             metas.append((out["meta_info"].get("uniprefill") or [{}])[-1])
-            stages.append(_request_stages(out["meta_info"]))
+            stages.append(request_stages(out["meta_info"]))
         result["ttft_s"][name] = times
         result["kept"][name] = metas[-1]
         if any(stages):
@@ -131,18 +132,6 @@ def _measure_followups(runner, args, modes, result) -> None:
             print(f"{name}: request stages (ms) {stages[1:]}", flush=True)
         print(f"{name}: follow-ups {[round(t * 1e3, 1) for t in times]} ms, {metas[-1]}",
               flush=True)
-
-
-def _request_stages(meta: dict) -> dict:
-    """Where a request's time went, from SGLang's request time stats (`enable_metrics`): ms
-    from arrival to its first forward, from there to its prefill's result processed (the
-    forward, and under the overlap scheduler the next step's launch), and on to completion."""
-    marks = [meta.get(k) for k in ("request_received_ts", "forward_entry_time",
-                                   "prefill_finished_time", "request_finished_ts")]
-    if any(m is None for m in marks):
-        return {}
-    names = ("to_forward", "forward_to_result", "result_to_finish")
-    return {n: round((b - a) * 1e3, 2) for n, a, b in zip(names, marks, marks[1:])}
 
 
 def summarize(trace_path: str, phase: str = "decode") -> dict:

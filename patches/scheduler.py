@@ -10,7 +10,9 @@
   (`views_allocated_late`: each is an allocation a request waited for), decode steps that ran
   eagerly because their per-stage lists outgrew the decode graph's (`eager_decode_overflows`,
   patches/cuda_graphs.py), and torch's CUDA allocator retries (`device_alloc_retries`: a step
-  that met one waited for its cache release).
+  that met one waited for its cache release) and its calls to the device allocator
+  (`device_allocs`: a step that runs eagerly after SGLang's `flush_cache` emptied torch's cache
+  allocates its activations anew).
 * `process_pending_chunked_abort` (AROUND): free the parked state of an aborted chunked request.
 * `SchedulerBatchResultProcessor.process_batch_result_prefill` (BEFORE): a request UniPrefill
   could not recompute after a failure in its own code (patches/model_runner.py) finishes with
@@ -60,7 +62,8 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         "admission_retries": admission_retries(scheduler),
         "views_allocated_late": runtime.views_allocated_late,
         "eager_decode_overflows": runtime.eager_decode_overflows,
-        "device_alloc_retries": _device_alloc_retries(),
+        "device_alloc_retries": _allocator_count("num_alloc_retries"),
+        "device_allocs": _allocator_count("num_device_alloc"),
     }
     if state["uniprefill"]["idle"] and runtime.slots.staged:
         state["uniprefill"]["kv_pool_problems"] = runtime.slots.pools.check(
@@ -80,14 +83,15 @@ def _selection(config) -> dict:
             "max_dropped_mass": config.max_dropped_mass, "profile": config.profile}
 
 
-def _device_alloc_retries():
-    """How often torch's CUDA caching allocator found no free block, released its cache and
-    retried (each costs milliseconds in the step that met it); None off CUDA."""
+def _allocator_count(name: str):
+    """A count of torch's CUDA caching allocator: `num_alloc_retries` (it found no free block,
+    released its cache and retried, milliseconds in the step that met it) or `num_device_alloc`
+    (blocks it took from the device); None off CUDA."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+    return int(torch.cuda.memory_stats().get(name, 0))
 
 
 def _free_full_slots(allocator):
