@@ -348,9 +348,10 @@ def main() -> None:
     ap.add_argument("--long-repeats", type=int, default=1,
                     help="fresh prompts per length above 32K; more than one times each dense "
                          "in the same engine too (the first pays the first-use compilation)")
-    ap.add_argument("--between-singles", choices=("flush", "none"), default="flush",
-                    help="between single requests: empty the radix cache and torch's CUDA "
-                         "cache (flush) or nothing (none: prompts differ, nothing is reused)")
+    ap.add_argument("--between-singles", choices=("flush", "none"), default="none",
+                    help="between single requests: nothing (none, as a server runs: prompts "
+                         "differ, nothing is reused) or SGLang's flush_cache, which also "
+                         "empties torch's CUDA cache (flush, as runs before 2026-12-04 did)")
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
