@@ -79,7 +79,8 @@ def _selection(config) -> dict:
     return {"top_p": None if config.keep_ratio else one_or_list(config.top_p),
             "keep_ratio": list(config.keep_ratio) if config.keep_ratio else None,
             "block_size": config.block_size, "sink_tokens": config.sink_tokens,
-            "last_queries": config.last_queries, "prefix_policy": config.prefix_policy,
+            "last_queries": config.last_queries, "neighbor_blocks": config.neighbor_blocks,
+            "prefix_policy": config.prefix_policy,
             "max_dropped_mass": config.max_dropped_mass, "profile": config.profile}
 
 

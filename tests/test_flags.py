@@ -61,6 +61,7 @@ def test_the_checkpoint_is_kept_on_request_or_for_reselect():
         (dict(block_size=0), "--uniprefill-block-size"),
         (dict(sink_tokens=-1), "--uniprefill-sink-tokens"),
         (dict(last_queries=0), "--uniprefill-last-queries"),
+        (dict(neighbor_blocks=-1), "--uniprefill-neighbor-blocks"),
         (dict(min_prompt_tokens=-5), "--uniprefill-min-prompt-tokens"),
         (dict(drop_layers="7,x"), "--uniprefill-drop-layers"),
         (dict(drop_layers="11,7"), "--uniprefill-drop-layers"),

@@ -16,12 +16,14 @@ from uniprefill_sglang.selection import (
     prefix_coverage,
     prefix_coverage_reference,
     select_by_position,
+    keep_top_neighbors,
+    keep_top_neighbors_reference,
     select_survivors,
     select_survivors_reference,
 )
 
 
-def random_batch(seed: int, heads=(4, 2), dim=16, num_slots=4096):
+def random_batch(seed: int, heads=(4, 2), dim=16, num_slots=4096, neighbor_blocks=0):
     """A batch of 1-4 requests with random keys in a slot pool and random queries."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -50,14 +52,15 @@ def random_batch(seed: int, heads=(4, 2), dim=16, num_slots=4096):
     c.queries, c.query_pos = torch.cat(queries), torch.cat(query_pos)
     c.key_slots, c.key_pos = torch.cat(slots), torch.cat(positions)
     rule = SelectionRule(block_size=rng.choice([8, 32, 64]), sink_tokens=rng.choice([0, 16]),
-                         last_window=rng.choice([0, 8]))
+                         last_window=rng.choice([0, 8]), neighbor_blocks=neighbor_blocks)
     return c, key_buffer, dim ** -0.5, rule
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_select_survivors_matches_the_reference(seed, monkeypatch):
+@pytest.mark.parametrize("seed,neighbor_blocks", [(s, 0) for s in range(12)]
+                         + [(s, n) for s in range(200, 206) for n in (1, 4)])
+def test_select_survivors_matches_the_reference(seed, neighbor_blocks, monkeypatch):
     monkeypatch.delenv("UNIPREFILL_FORCE_TRITON", raising=False)
-    cands, key_buffer, scale, rule = random_batch(seed)
+    cands, key_buffer, scale, rule = random_batch(seed, neighbor_blocks=neighbor_blocks)
     got, want = (fn(cands, key_buffer, scale, rule)
                  for fn in (select_survivors, select_survivors_reference))
     keep_idx, counts, want_idx, want_counts = got.keep_idx, got.counts, want.keep_idx, want.counts
@@ -84,6 +87,63 @@ def test_reference_keeps_the_attended_block():
     got = select_survivors(cands, key_buffer, dim ** -0.5, rule)
     got_idx, got_counts = got.keep_idx, got.counts
     assert got_idx.tolist() == keep_idx.tolist() and got_counts.tolist() == counts.tolist()
+
+
+# ---- the neighbours of the top blocks --------------------------------------------------------
+@pytest.mark.parametrize("seed", range(300, 312))
+def test_top_neighbors_match_their_reference(seed):
+    """On fresh random scores, keep masks and batches (positions with holes, blocks cut short):
+    the vectorised step equals its plain reference, adds only blocks next to top blocks, and
+    with N = 0 changes nothing."""
+    cands, _, _, rule = random_batch(seed)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(cands.key_pos.shape[0], generator=gen, dtype=torch.float64) ** 4
+    num_cands = sum(k - p for k, p in zip(cands.key_counts, cands.prefix_counts))
+    keep = torch.rand(num_cands, generator=gen) < rng.choice([0.0, 0.2, 0.6])
+    for n in (0, 1, 3):
+        rule_n = SelectionRule(rule.block_size, rule.sink_tokens, rule.last_window, n)
+        got, counts = keep_top_neighbors(cands, scores, keep, rule_n)
+        want, start, key_start = [], 0, 0
+        for k, p in zip(cands.key_counts, cands.prefix_counts):
+            seg = slice(key_start + p, key_start + k)
+            want += keep_top_neighbors_reference(
+                scores[seg].tolist(), cands.key_pos[seg].tolist(),
+                keep[start:start + k - p].tolist(), rule_n)
+            start, key_start = start + k - p, key_start + k
+        assert got.tolist() == want, (seed, n)
+        assert (got | ~keep).all()  # nothing kept before is dropped
+        assert counts.tolist() == _segment_sums(got, cands)
+        if n == 0:
+            assert got.tolist() == keep.tolist()
+
+
+def _segment_sums(mask, cands):
+    out, start = [], 0
+    for k, p in zip(cands.key_counts, cands.prefix_counts):
+        out.append(int(mask[start:start + k - p].sum()))
+        start += k - p
+    return out
+
+
+def test_top_neighbors_keep_both_halves_of_a_cut_needle():
+    """A query attends to keys 88-95 only, the end of block 2 (block size 32), and not to the
+    needle's continuation at 96-99 (block 3); top-p 0.9 keeps block 2 alone. With one neighbour
+    block, blocks 1 and 3 come back, the continuation among them; the mass let go shrinks."""
+    dim, n = 8, 256
+    key_buffer = torch.zeros(n, 1, dim)
+    key_buffer[88:96, 0, 0] = 50.0
+    q = torch.zeros(1, 1, dim)
+    q[0, 0, 0] = 1.0
+    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
+                           [0], [0.9], [0.0])
+    for fn in (select_survivors, select_survivors_reference):
+        alone = fn(cands, key_buffer, dim ** -0.5, SelectionRule(32, 0, 0))
+        assert alone.keep_idx.tolist() == list(range(64, 96))
+        both = fn(cands, key_buffer, dim ** -0.5, SelectionRule(32, 0, 0, neighbor_blocks=1))
+        assert both.keep_idx.tolist() == list(range(32, 128))
+        assert both.counts.tolist() == [96]
+        assert float(both.dropped_mass[0]) < float(alone.dropped_mass[0])
 
 
 # ---- the attention mass a selection lets go ---------------------------------------------------

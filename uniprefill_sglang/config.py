@@ -159,6 +159,8 @@ class UniPrefillConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     sink_tokens: int = DEFAULT_SINK_TOKENS
     last_queries: int = DEFAULT_LAST_QUERIES
+    # Blocks next to each request's N highest-scoring blocks are kept too (selection.py); 0: off.
+    neighbor_blocks: int = 0
     # None: the per-architecture default, resolved once the depth is known.
     drop_layers: Optional[tuple[int, ...]] = None
     min_prompt_tokens: int = 0
@@ -228,6 +230,7 @@ def build_config(
     stage_kv_fraction=None,
     prefix_checkpoint: bool = False,
     max_dropped_mass: Optional[float] = None,
+    neighbor_blocks: int = 0,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -243,6 +246,7 @@ def build_config(
     top_ps, keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
     _check_minimum("--uniprefill-sink-tokens", sink_tokens, 0)
     _check_minimum("--uniprefill-last-queries", last_queries, 1)
+    _check_minimum("--uniprefill-neighbor-blocks", neighbor_blocks, 0)
     _check_minimum("--uniprefill-min-prompt-tokens", min_prompt_tokens, 0)
     _check_minimum("--uniprefill-max-parked-tokens", max_parked_tokens, 0, " (0 disables parking)")
     _check_choice("--uniprefill-prefix-policy", prefix_policy, PREFIX_POLICIES)
@@ -262,6 +266,7 @@ def build_config(
         block_size=int(block_size),
         sink_tokens=int(sink_tokens),
         last_queries=int(last_queries),
+        neighbor_blocks=int(neighbor_blocks),
         drop_layers=layers,
         min_prompt_tokens=int(min_prompt_tokens),
         max_parked_tokens=int(max_parked_tokens),

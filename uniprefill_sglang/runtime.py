@@ -56,7 +56,8 @@ class UniPrefillRuntime:
         self.config = config
         self.stages = stages
         self.dense_reason = None  # why nothing drops, when nothing does (schedule.Schedule)
-        self.rule = SelectionRule(config.block_size, config.sink_tokens, config.last_queries)
+        self.rule = SelectionRule(config.block_size, config.sink_tokens, config.last_queries,
+                                  config.neighbor_blocks)
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         # TPScoreAgreement when attention heads are split over ranks (tp_agreement.py).

@@ -5,7 +5,9 @@ its keys (the valid prefix, which is never dropped, then the candidates); a key'
 attention mass the queries pay it, summed over queries and heads; candidates are grouped into
 blocks of `block_size`, and the top blocks are kept (the smallest set holding `top_p` of the
 mass, or a fixed `keep_ratio` of the blocks), plus the attention sinks (positions below
-`sink_tokens`) and the last `last_window` candidates. What the drop lets go is measured the
+`sink_tokens`) and the last `last_window` candidates; with `neighbor_blocks` N > 0 also the
+candidate blocks on either side of the segment's N highest-scoring blocks, so that a needle cut
+by a block boundary keeps both halves (off by default). What the drop lets go is measured the
 same way: per segment, the share of its candidates' scores that falls on the candidates it drops
 (`Selection.dropped_mass`; prefix keys are scored but are not candidates, so they count in
 neither part).
@@ -51,6 +53,7 @@ class SelectionRule:
     block_size: int
     sink_tokens: int
     last_window: int
+    neighbor_blocks: int = 0
 
 
 class Selection(NamedTuple):
@@ -82,7 +85,6 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
     no host sync. `reduce_scores` sums the per-token scores over tensor-parallel ranks, each of
     which scored with its own heads."""
     scores, keep, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
-    keep = keep[:sum(cands.key_counts) - sum(cands.prefix_counts)]
     return Selection(keep, counts, _dropped_mass(cands, scores, keep))
 
 
@@ -136,9 +138,52 @@ def select_by_position(cands: DropCandidates, rule: SelectionRule, stride: int =
     return Selection(keep, counts, torch.zeros(num, dtype=torch.float64, device=device))
 
 
+def keep_top_neighbors(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor,
+                       rule: SelectionRule):
+    """`keep` [C] with the candidate blocks on either side of each segment's
+    `rule.neighbor_blocks` highest-scoring candidate blocks added (blocks by original position,
+    neighbours at the next lower and higher block number), and the kept counts per segment. A
+    block's score is the sum of its candidates' scores outside the sinks and the last window
+    (kept anyway, they would take the top places); blocks that score nothing are never top.
+    Vectorised over the batch from host-known counts (no host sync): candidates are in position
+    order within a segment, so a block's candidates are one run."""
+    device, num = keep.device, cands.num_segments
+    segment, rows, index, cand_counts = _candidate_rows(cands, device)
+    pos = cands.key_pos.index_select(0, rows).to(torch.int64)
+    block = pos // rule.block_size
+    always = (pos < rule.sink_tokens) | (
+        cand_counts.index_select(0, segment) - index <= rule.last_window)
+    c = keep.shape[0]
+    starts = torch.ones(c, dtype=torch.bool, device=device)
+    starts[1:] = (block[1:] != block[:-1]) | (segment[1:] != segment[:-1])
+    run = torch.cumsum(starts, 0) - 1  # each candidate's block run; runs past the last are empty
+    cand_scores = scores.index_select(0, rows).to(torch.float64)
+    cand_scores = torch.where((cand_scores > 0) & ~always, cand_scores, 0.0)  # NaN counts as 0
+    run_score = torch.zeros(c, dtype=torch.float64, device=device).index_add_(0, run, cand_scores)
+    run_segment = torch.full((c,), num, dtype=torch.int64, device=device).index_put_(
+        (run,), segment)
+    run_block = torch.zeros(c, dtype=torch.int64, device=device).index_put_((run,), block)
+    # Runs by segment, highest score first (ties: the lower block), and each one's rank.
+    order = torch.argsort(run_score, descending=True, stable=True)
+    order = order[torch.argsort(run_segment.index_select(0, order), stable=True)]
+    sorted_segment = run_segment.index_select(0, order)
+    rank = torch.arange(c, device=device) - torch.searchsorted(sorted_segment, sorted_segment)
+    top = torch.zeros(c, dtype=torch.bool, device=device).index_put_(
+        (order,), (rank < rule.neighbor_blocks) & (sorted_segment < num)
+        & (run_score.index_select(0, order) > 0))
+    adjacent = (run_segment[1:] == run_segment[:-1]) & (run_block[1:] - run_block[:-1] == 1)
+    protect = top.clone()
+    protect[:-1] |= top[1:] & adjacent
+    protect[1:] |= top[:-1] & adjacent
+    keep = keep | protect.index_select(0, run)
+    counts = torch.zeros(num, dtype=torch.int32, device=device).index_add_(
+        0, segment, keep.to(torch.int32))
+    return keep, counts
+
+
 def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
-    """(per-key scores [Nk] fp32, the kept mask [Nk] over the candidates, kept counts): the
-    kernels' two steps."""
+    """(per-key scores [Nk] fp32, the kept mask [C] over the candidates, kept counts): the
+    kernels' two steps, and the neighbours of the top blocks where the rule asks for them."""
     device = cands.key_slots.device
     q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
     k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
@@ -151,6 +196,9 @@ def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
         scores, cands.key_pos, k_indptr, to_device(cands.prefix_counts, torch.int64, device),
         rule.block_size, to_device(cands.top_p, torch.float32, device),
         to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
+    keep = keep[:sum(cands.key_counts) - sum(cands.prefix_counts)]
+    if rule.neighbor_blocks > 0 and keep.numel():
+        keep, counts = keep_top_neighbors(cands, scores, keep, rule)
     return scores, keep, counts
 
 
@@ -185,7 +233,29 @@ def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scal
         keep = kernels.select_segment_reference(
             scores[first:], key_pos[first:], rule.block_size, cands.top_p[b],
             cands.keep_ratio[b], rule.sink_tokens, rule.last_window, compute_dtype=torch.float64)
-        yield scores[first:], keep.tolist()
+        keep = keep_top_neighbors_reference(scores[first:].tolist(), key_pos[first:].tolist(),
+                                            keep.tolist(), rule)
+        yield scores[first:], keep
+
+
+def keep_top_neighbors_reference(scores, positions, keep, rule: SelectionRule) -> list:
+    """`keep_top_neighbors` for one segment, in plain Python: the blocks next to the
+    `rule.neighbor_blocks` blocks whose candidates outside the sinks and the last window score
+    most (ties: the lower block) are kept too."""
+    members, totals, n = {}, {}, len(scores)
+    for i, (score, pos) in enumerate(zip(scores, positions)):
+        b = int(pos) // rule.block_size
+        members.setdefault(b, []).append(i)
+        counted = score > 0 and pos >= rule.sink_tokens and n - i > rule.last_window
+        totals[b] = totals.get(b, 0.0) + (score if counted else 0.0)
+    top = sorted((b for b in totals if totals[b] > 0),
+                 key=lambda b: (-totals[b], b))[:rule.neighbor_blocks]
+    keep = list(keep)
+    for b in top:
+        for near in (b - 1, b, b + 1):
+            for i in members.get(near, ()):
+                keep[i] = True
+    return keep
 
 
 # ---- prefix reuse: does a cached selection cover a new request's question? ------------------

@@ -88,6 +88,12 @@ class UniPrefillServerArgs(ServerArgs):
         int,
         Arg(help="UniPrefill: score with the attention of the last N queries; they are always kept."),
     ] = DEFAULT_LAST_QUERIES
+    uniprefill_neighbor_blocks: A[
+        int,
+        Arg(help="UniPrefill: at each drop, also keep the blocks on either side of each "
+                 "request's N highest-scoring blocks (a needle cut by a block boundary keeps "
+                 "both halves); 0 (default): off."),
+    ] = 0
     uniprefill_drop_layers: A[
         Optional[str],
         Arg(help="UniPrefill: comma-separated drop layers, 'none', or unset for the per-architecture default."),
@@ -210,6 +216,7 @@ class UniPrefillServerArgs(ServerArgs):
             block_size=self.uniprefill_block_size,
             sink_tokens=self.uniprefill_sink_tokens,
             last_queries=self.uniprefill_last_queries,
+            neighbor_blocks=self.uniprefill_neighbor_blocks,
             drop_layers=self.uniprefill_drop_layers,
             min_prompt_tokens=self.uniprefill_min_prompt_tokens,
             max_parked_tokens=self.uniprefill_max_parked_tokens,
