@@ -306,11 +306,51 @@ def test_selection_dropped_mass_matches_reference_and_is_sync_free():
               for n in (c.query_counts, c.key_counts)]
     scores = score_tokens(c.queries, c.query_pos, indptr[0], keys, c.key_slots, c.key_pos,
                           indptr[1], d ** -0.5, max_q=128, max_k=max(c.key_counts))
-    _dropped_mass(c, scores, sel.keep_idx)  # first call outside the checked region
+    _dropped_mass(c, scores, sel.keep_mask)  # first call outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _dropped_mass(c, scores, sel.keep_idx)
+        _dropped_mass(c, scores, sel.keep_mask)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_top_neighbors_on_the_gpu_match_the_reference_without_a_host_sync():
+    """selection.keep_top_neighbors on CUDA tensors (128K candidates over four requests, fresh
+    random scores and keep masks): equal to the plain per-request reference, and no host sync."""
+    import random
+
+    from uniprefill_sglang.selection import (DropCandidates, SelectionRule, keep_top_neighbors,
+                                             keep_top_neighbors_reference)
+
+    g = torch.Generator(device=DEV).manual_seed(21)
+    rng = random.Random(21)
+    c = DropCandidates(None, None, [], None, None, [], [], [], [])
+    positions = []
+    for prefix, new in ((0, 65536), (512, 32768), (0, 20000), (64, 9999)):
+        c.key_counts.append(prefix + new), c.prefix_counts.append(prefix)
+        gap = rng.randint(0, 300)  # a prefix whose later tokens were dropped
+        positions.append(torch.cat([torch.arange(prefix, device=DEV),
+                                    torch.arange(prefix + gap, prefix + gap + new, device=DEV)]))
+    c.key_pos = torch.cat(positions)
+    scores = torch.rand(c.key_pos.shape[0], generator=g, device=DEV, dtype=torch.float64) ** 8
+    keep = torch.rand(sum(k - p for k, p in zip(c.key_counts, c.prefix_counts)), generator=g,
+                      device=DEV) < 0.3
+    rule = SelectionRule(block_size=64, sink_tokens=128, last_window=128, neighbor_blocks=4)
+    got, counts = keep_top_neighbors(c, scores, keep, rule)  # first call outside the check
+    want, start, key_start = [], 0, 0
+    for k, p in zip(c.key_counts, c.prefix_counts):
+        seg = slice(key_start + p, key_start + k)
+        want += keep_top_neighbors_reference(scores[seg].tolist(), c.key_pos[seg].tolist(),
+                                             keep[start:start + k - p].tolist(), rule)
+        start, key_start = start + k - p, key_start + k
+    assert got.tolist() == want
+    assert int(counts.sum()) == sum(want) and int(got.sum()) > int(keep.sum())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        keep_top_neighbors(c, scores, keep, rule)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
