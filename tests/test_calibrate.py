@@ -253,6 +253,19 @@ def test_a_profile_bound_comes_with_its_top_p(tmp_path):
     assert load_profile(_write_profile(tmp_path / "plain.json")).max_dropped_mass is None
 
 
+def test_a_profile_sets_neighbor_blocks_unless_a_flag_does(tmp_path):
+    path = tmp_path / "neighbors.json"
+    data = json.loads(Path(_write_profile(path)).read_text())
+    data["schedule"]["neighbor_blocks"] = 4
+    path.write_text(json.dumps(data))
+    profile = load_profile(str(path))
+    assert build_config(**FLAGS, profile=profile).neighbor_blocks == 4
+    assert build_config(**{**FLAGS, "neighbor_blocks": 0}, profile=profile).neighbor_blocks == 0
+    assert build_config(**FLAGS).neighbor_blocks == 0
+    plain = load_profile(_write_profile(tmp_path / "plain.json"))
+    assert plain.neighbor_blocks is None and build_config(**FLAGS, profile=plain).neighbor_blocks == 0
+
+
 def test_shipped_profiles_are_found_by_architecture_depth_and_hidden_size(tmp_path):
     _write_profile(tmp_path / "a.json", depth=30, hidden=576)
     _write_profile(tmp_path / "b.json", layers=(3,), depth=24, hidden=576)

@@ -67,6 +67,8 @@ class Profile:
     hidden_size: Optional[int] = None
     # The bound of --uniprefill-max-dropped-mass calibrated with this top-p (None: none).
     max_dropped_mass: Optional[float] = None
+    # --uniprefill-neighbor-blocks where no flag sets it (None: the default, 0).
+    neighbor_blocks: Optional[int] = None
 
     def matches(self, architectures: Sequence[str], num_layers: int, hidden_size: int) -> bool:
         return (self.architecture in architectures and self.num_layers == num_layers
@@ -84,7 +86,8 @@ def load_profile(path: str) -> Profile:
                        block_size=int(schedule["block_size"]),
                        architecture=model.get("architecture"), num_layers=model.get("num_layers"),
                        hidden_size=model.get("hidden_size"),
-                       max_dropped_mass=_optional_float(schedule.get("max_dropped_mass")))
+                       max_dropped_mass=_optional_float(schedule.get("max_dropped_mass")),
+                       neighbor_blocks=_optional_int(schedule.get("neighbor_blocks")))
     except (OSError, ValueError, KeyError, TypeError, UniPrefillConfigError) as e:
         raise UniPrefillConfigError(
             f"--uniprefill-profile {path}: not a readable UniPrefill profile ({e!r})") from None
@@ -92,6 +95,10 @@ def load_profile(path: str) -> Profile:
 
 def _optional_float(value) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _optional_int(value) -> Optional[int]:
+    return None if value is None else int(value)
 
 
 def find_shipped_profile(architectures: Sequence[str], num_layers: int, hidden_size: int,
@@ -230,7 +237,7 @@ def build_config(
     stage_kv_fraction=None,
     prefix_checkpoint: bool = False,
     max_dropped_mass: Optional[float] = None,
-    neighbor_blocks: int = 0,
+    neighbor_blocks: Optional[int] = None,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -243,6 +250,9 @@ def build_config(
             profile, drop_layers, top_p, keep_ratio, block_size, max_dropped_mass)
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
+    if neighbor_blocks is None:
+        neighbor_blocks = (profile.neighbor_blocks if profile is not None
+                           and profile.neighbor_blocks is not None else 0)
     top_ps, keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
     _check_minimum("--uniprefill-sink-tokens", sink_tokens, 0)
     _check_minimum("--uniprefill-last-queries", last_queries, 1)

@@ -89,11 +89,12 @@ class UniPrefillServerArgs(ServerArgs):
         Arg(help="UniPrefill: score with the attention of the last N queries; they are always kept."),
     ] = DEFAULT_LAST_QUERIES
     uniprefill_neighbor_blocks: A[
-        int,
-        Arg(help="UniPrefill: at each drop, also keep the blocks on either side of each "
-                 "request's N highest-scoring blocks (a needle cut by a block boundary keeps "
-                 "both halves); 0 (default): off."),
-    ] = 0
+        Optional[int],
+        Arg(help="UniPrefill, experimental: at each drop, also keep the blocks on either side "
+                 "of each request's N highest-scoring blocks outside the sinks and the last "
+                 "window (a needle cut by a block boundary keeps both halves); unset: the "
+                 "profile's, else 0 (off)."),
+    ] = None
     uniprefill_drop_layers: A[
         Optional[str],
         Arg(help="UniPrefill: comma-separated drop layers, 'none', or unset for the per-architecture default."),
