@@ -71,20 +71,27 @@ def test_select_survivors_matches_the_reference(seed, neighbor_blocks, monkeypat
     assert all(0 < c for c in want_counts.tolist())  # the top block always survives
 
 
-def test_reference_keeps_the_attended_block():
-    """One query that attends to one block only: top-p keeps that block (and the sinks)."""
-    dim, n = 8, 256
+def attending_to(*spans, top_p=0.9, keep_ratio=0.0, dim=8, n=256):
+    """One request of `n` keys and one query that aligns with the keys in `spans` only: (its
+    candidates, the key buffer, the softmax scale)."""
     key_buffer = torch.zeros(n, 1, dim)
-    key_buffer[100:108, 0, 0] = 50.0  # the only keys the query aligns with
+    for span in spans:
+        key_buffer[span, 0, 0] = 50.0
     q = torch.zeros(1, 1, dim)
     q[0, 0, 0] = 1.0
     cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
-                           [0], [0.9], [0.0])
+                           [0], [top_p], [keep_ratio])
+    return cands, key_buffer, dim ** -0.5
+
+
+def test_reference_keeps_the_attended_block():
+    """One query that attends to one block only: top-p keeps that block (and the sinks)."""
+    cands, key_buffer, scale = attending_to(slice(100, 108))
     rule = SelectionRule(block_size=32, sink_tokens=4, last_window=0)
-    want = select_survivors_reference(cands, key_buffer, dim ** -0.5, rule)
+    want = select_survivors_reference(cands, key_buffer, scale, rule)
     keep_idx, counts = want.keep_idx, want.counts
     assert keep_idx.tolist() == list(range(4)) + list(range(96, 128))
-    got = select_survivors(cands, key_buffer, dim ** -0.5, rule)
+    got = select_survivors(cands, key_buffer, scale, rule)
     got_idx, got_counts = got.keep_idx, got.counts
     assert got_idx.tolist() == keep_idx.tolist() and got_counts.tolist() == counts.tolist()
 
@@ -130,17 +137,11 @@ def test_top_neighbors_keep_both_halves_of_a_cut_needle():
     """A query attends to keys 88-95 only, the end of block 2 (block size 32), and not to the
     needle's continuation at 96-99 (block 3); top-p 0.9 keeps block 2 alone. With one neighbour
     block, blocks 1 and 3 come back, the continuation among them; the mass let go shrinks."""
-    dim, n = 8, 256
-    key_buffer = torch.zeros(n, 1, dim)
-    key_buffer[88:96, 0, 0] = 50.0
-    q = torch.zeros(1, 1, dim)
-    q[0, 0, 0] = 1.0
-    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
-                           [0], [0.9], [0.0])
+    cands, key_buffer, scale = attending_to(slice(88, 96))
     for fn in (select_survivors, select_survivors_reference):
-        alone = fn(cands, key_buffer, dim ** -0.5, SelectionRule(32, 0, 0))
+        alone = fn(cands, key_buffer, scale, SelectionRule(32, 0, 0))
         assert alone.keep_idx.tolist() == list(range(64, 96))
-        both = fn(cands, key_buffer, dim ** -0.5, SelectionRule(32, 0, 0, neighbor_blocks=1))
+        both = fn(cands, key_buffer, scale, SelectionRule(32, 0, 0, neighbor_blocks=1))
         assert both.keep_idx.tolist() == list(range(32, 128))
         assert both.counts.tolist() == [96]
         assert float(both.dropped_mass[0]) < float(alone.dropped_mass[0])
@@ -167,15 +168,9 @@ def test_dropped_mass_matches_the_reference(seed, monkeypatch):
 
 def _two_needles(keep_ratio: float, top_p: float = 1.0):
     """One query that attends equally to two blocks of eight (keys 100-107 and 200-207)."""
-    dim, n = 8, 256
-    key_buffer = torch.zeros(n, 1, dim)
-    key_buffer[100:108, 0, 0] = key_buffer[200:208, 0, 0] = 50.0
-    q = torch.zeros(1, 1, dim)
-    q[0, 0, 0] = 1.0
-    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
-                           [0], [top_p], [keep_ratio])
-    return cands, key_buffer, dim ** -0.5, SelectionRule(block_size=32, sink_tokens=0,
-                                                         last_window=0)
+    cands, key_buffer, scale = attending_to(slice(100, 108), slice(200, 208), top_p=top_p,
+                                            keep_ratio=keep_ratio)
+    return cands, key_buffer, scale, SelectionRule(block_size=32, sink_tokens=0, last_window=0)
 
 
 def test_dropped_mass_is_the_share_on_the_dropped_blocks():
@@ -249,18 +244,12 @@ def test_a_cache_that_holds_everything_covers_any_question():
 
 def test_a_cache_that_lost_the_attended_block_does_not_cover():
     """One query attends to one block of a cached prefix; the cache dropped it."""
-    dim, n = 8, 256
-    key_buffer = torch.zeros(n, 1, dim)
-    key_buffer[100:108, 0, 0] = 50.0
-    q = torch.zeros(1, 1, dim)
-    q[0, 0, 0] = 1.0
-    cands = DropCandidates(q, torch.tensor([n - 1]), [1], torch.arange(n), torch.arange(n), [n],
-                           [0], [0.9], [0.0])
+    cands, key_buffer, scale = attending_to(slice(100, 108))
     rule = SelectionRule(block_size=32, sink_tokens=4, last_window=0)
-    cached = torch.ones(n, dtype=torch.bool)
+    cached = torch.ones(key_buffer.shape[0], dtype=torch.bool)
     cached[96:128] = False
     for fn in (prefix_coverage, prefix_coverage_reference):
-        cov = fn(cands, key_buffer, dim ** -0.5, rule, cached)
+        cov = fn(cands, key_buffer, scale, rule, cached)
         assert float(cov.missing[0]) > 0.9 and not bool(cov.covered(0.01)[0])
 
 
