@@ -242,6 +242,8 @@ def keep_top_neighbors_reference(scores, positions, keep, rule: SelectionRule) -
     """`keep_top_neighbors` for one segment, in plain Python: the blocks next to the
     `rule.neighbor_blocks` blocks whose candidates outside the sinks and the last window score
     most (ties: the lower block) are kept too."""
+    if rule.neighbor_blocks <= 0:
+        return list(keep)
     members, totals, n = {}, {}, len(scores)
     for i, (score, pos) in enumerate(zip(scores, positions)):
         b = int(pos) // rule.block_size
