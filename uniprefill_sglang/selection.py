@@ -233,15 +233,28 @@ def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scal
         keep = kernels.select_segment_reference(
             scores[first:], key_pos[first:], rule.block_size, cands.top_p[b],
             cands.keep_ratio[b], rule.sink_tokens, rule.last_window, compute_dtype=torch.float64)
-        keep = keep_top_neighbors_reference(scores[first:].tolist(), key_pos[first:].tolist(),
-                                            keep.tolist(), rule)
+        keep = _top_neighbors_of_segment(scores[first:].tolist(), key_pos[first:].tolist(),
+                                         keep.tolist(), rule)
         yield scores[first:], keep
 
 
-def keep_top_neighbors_reference(scores, positions, keep, rule: SelectionRule) -> list:
-    """`keep_top_neighbors` for one segment, in plain Python: the blocks next to the
-    `rule.neighbor_blocks` blocks whose candidates outside the sinks and the last window score
-    most (ties: the lower block) are kept too."""
+def keep_top_neighbors_reference(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor,
+                                 rule: SelectionRule) -> list:
+    """`keep_top_neighbors`' mask as a list, one request at a time in plain Python."""
+    out, start, key_start = [], 0, 0
+    for k, p in zip(cands.key_counts, cands.prefix_counts):
+        candidates = slice(key_start + p, key_start + k)
+        out += _top_neighbors_of_segment(scores[candidates].tolist(),
+                                         cands.key_pos[candidates].tolist(),
+                                         keep[start:start + k - p].tolist(), rule)
+        start, key_start = start + k - p, key_start + k
+    return out
+
+
+def _top_neighbors_of_segment(scores, positions, keep, rule: SelectionRule) -> list:
+    """One request's candidates: the blocks next to the `rule.neighbor_blocks` blocks whose
+    candidates outside the sinks and the last window score most (ties: the lower block) are
+    kept too."""
     if rule.neighbor_blocks <= 0:
         return list(keep)
     members, totals, n = {}, {}, len(scores)
