@@ -246,13 +246,13 @@ def build_config(
     top-p applies and no flag sets one."""
     bound_from_profile = False
     if profile is not None:
-        drop_layers, top_p, block_size, max_dropped_mass, bound_from_profile = _with_profile(
-            profile, drop_layers, top_p, keep_ratio, block_size, max_dropped_mass)
+        (drop_layers, top_p, block_size, neighbor_blocks, max_dropped_mass,
+         bound_from_profile) = _with_profile(profile, drop_layers, top_p, keep_ratio, block_size,
+                                             neighbor_blocks, max_dropped_mass)
     if block_size is None:
         block_size = DEFAULT_BLOCK_SIZE
     if neighbor_blocks is None:
-        neighbor_blocks = (profile.neighbor_blocks if profile is not None
-                           and profile.neighbor_blocks is not None else 0)
+        neighbor_blocks = 0
     top_ps, keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
     _check_minimum("--uniprefill-sink-tokens", sink_tokens, 0)
     _check_minimum("--uniprefill-last-queries", last_queries, 1)
@@ -291,9 +291,9 @@ def build_config(
 
 
 def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size,
-                  max_dropped_mass):
-    """(drop layers, top-p, block size, dropped-mass bound, whether that bound is the
-    profile's): the flags', the profile's where no flag set one. The profile's bound comes only
+                  neighbor_blocks, max_dropped_mass):
+    """(drop layers, top-p, block size, neighbour blocks, dropped-mass bound, whether that bound
+    is the profile's): the flags', the profile's where no flag set one. The profile's bound comes only
     with the profile's top-p, which it was calibrated with."""
     if parse_drop_layers(drop_layers) is None:
         drop_layers = profile.drop_layers
@@ -304,7 +304,9 @@ def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size,
             max_dropped_mass, bound_from_profile = profile.max_dropped_mass, True
     if block_size is None:
         block_size = profile.block_size
-    return drop_layers, top_p, block_size, max_dropped_mass, bound_from_profile
+    if neighbor_blocks is None:
+        neighbor_blocks = profile.neighbor_blocks
+    return drop_layers, top_p, block_size, neighbor_blocks, max_dropped_mass, bound_from_profile
 
 
 def _parse_selection(top_p, keep_ratio, block_size: int):
