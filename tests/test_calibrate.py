@@ -87,6 +87,52 @@ def test_later_top_p_candidates_apply_after_the_first_drop_only():
     assert schedules[-1].top_p_json() == [0.99, 0.9] and schedules[0].top_p_json() == 0.99
 
 
+TINY = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256,
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2),
+    # per-head query and key norms before RoPE; global layers only (a drop scores at those)
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=256,
+                   hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   layer_types=["full_attention", "full_attention"], num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                   sliding_window=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 1e4}},
+                   initializer_range=0.2, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_the_dense_pass_scores_what_the_model_attends(family, tmp_path):
+    """The replay's scores from the recorded queries and keys are the attention weights the
+    model computes itself (eager attention), summed over the last queries and the heads."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from uniprefill_sglang.tools.model_zoo import random_model
+
+    folder = random_model(tmp_path / family, TINY[family], seed=random.randrange(1 << 30))
+    n, nq = 96, 8
+    ids = [random.randrange(3, 256) for _ in range(n)]
+    dense = cal.DensePass(folder, nq)
+    dense.run(ids, max_new_tokens=1, eos_ids=set())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    with torch.inference_mode():
+        attentions = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    positions = torch.arange(n)
+    for layer, weights in enumerate(attentions):
+        expected = weights[0, :, -nq:].sum(dim=(0, 1))
+        got = score_segment_reference(dense.queries[layer], positions[-nq:], dense.keys[layer],
+                                      positions, dense.sm_scale)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_needle_survival_needs_every_token_of_one_occurrence():
     spans = [[(10, 13), (40, 42)], [(50, 51)]]
     assert cal.needle_survives(torch.tensor([10, 11, 12, 50]), spans)

@@ -252,7 +252,7 @@ def needle_survives(kept_positions, spans) -> bool:
 
 class DensePass:
     """A Hugging Face model whose attention layers record post-RoPE queries (last tokens) and
-    keys of one prefill."""
+    keys of one prefill, as its attention computes them (per-head norms included)."""
 
     def __init__(self, model_path: str, last_queries: int, device: str = "cpu"):
         import torch
@@ -281,6 +281,9 @@ class DensePass:
             d, n_q = module.head_dim, self.last_queries
             q = module.q_proj(hidden[-n_q:]).view(-1, module.config.num_attention_heads, d)
             k = module.k_proj(hidden).view(hidden.shape[0], -1, d)
+            # Gemma 3 and Qwen3 normalise each head's query and key before RoPE
+            if getattr(module, "q_norm", None) is not None:
+                q, k = module.q_norm(q), module.k_norm(k)
             self.queries[layer_idx] = (q * cos[-n_q:] + rotate_half(q) * sin[-n_q:]).detach().cpu()
             self.keys[layer_idx] = (k * cos + rotate_half(k) * sin).detach().cpu()
 
