@@ -45,17 +45,28 @@ def _recorded(n_tokens=700, n_queries=32, layers=(2, 5), seed=0, needle=(300, 31
 # ---- offline estimate -----------------------------------------------------------------------
 
 
-def test_a_single_drop_replays_the_plugins_selection_rule():
-    queries, keys = _recorded()
+@pytest.mark.parametrize("neighbor_blocks", [0, 3])
+def test_a_single_drop_replays_the_plugins_selection_rule(neighbor_blocks):
+    queries, keys = _recorded(seed=random.randrange(1 << 30))
     n, nq = 700, 32
-    replay = cal.ScheduleReplay(queries, keys, 0.25, sink_tokens=16, last_queries=nq)
-    rule = SelectionRule(block_size=16, sink_tokens=16, last_window=nq)
+    replay = cal.ScheduleReplay(queries, keys, 0.25, sink_tokens=16, last_queries=nq,
+                                neighbor_blocks=neighbor_blocks)
+    rule = SelectionRule(block_size=16, sink_tokens=16, last_window=nq,
+                         neighbor_blocks=neighbor_blocks)
     cands = DropCandidates(queries=queries[2], query_pos=torch.arange(n - nq, n),
                            query_counts=[nq], key_slots=torch.arange(n), key_pos=torch.arange(n),
-                           key_counts=[n], prefix_counts=[0], top_p=[0.9], keep_ratio=[0.0])
-    keep_idx = select_survivors_reference(cands, keys[2], 0.25, rule).keep_idx
-    assert replay.survivors((2,), 0.9, 16).tolist() == keep_idx.tolist()
-    assert set(range(300, 310)) <= set(keep_idx.tolist())  # the aligned needle scores high
+                           key_counts=[n], prefix_counts=[0], top_p=[], keep_ratio=[0.0])
+    plain_replay = cal.ScheduleReplay(queries, keys, 0.25, sink_tokens=16, last_queries=nq)
+    for top_p in (0.9, 0.5):  # at 0.5 neighbours nearly always add blocks the top-p cut left
+        cands.top_p = [top_p]
+        keep_idx = select_survivors_reference(cands, keys[2], 0.25, rule).keep_idx
+        assert replay.survivors((2,), top_p, 16).tolist() == keep_idx.tolist()
+        kept = set(keep_idx.tolist())
+        if top_p == 0.9:
+            assert set(range(300, 310)) <= kept  # the aligned needle scores high
+        # Neighbour blocks only add, at most two blocks per top block.
+        plain = set(plain_replay.survivors((2,), top_p, 16).tolist())
+        assert plain <= kept and len(kept - plain) <= 2 * neighbor_blocks * 16
 
 
 def test_a_later_drop_scores_only_the_survivors_of_the_earlier_one():

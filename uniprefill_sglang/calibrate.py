@@ -316,11 +316,13 @@ class ScheduleReplay:
     """Replays drop schedules on one case's recorded queries and keys (cumulative drops; the
     selection rule of the plugin, kernels/reference.py)."""
 
-    def __init__(self, queries, keys, sm_scale: float, sink_tokens: int, last_queries: int):
+    def __init__(self, queries, keys, sm_scale: float, sink_tokens: int, last_queries: int,
+                 neighbor_blocks: int = 0):
         import torch
 
         self.queries, self.keys, self.sm_scale = queries, keys, sm_scale
         self.sink_tokens, self.last_queries = sink_tokens, last_queries
+        self.neighbor_blocks = neighbor_blocks
         self.num_tokens = next(iter(keys.values())).shape[0]
         n_q = next(iter(queries.values())).shape[0]
         self.query_pos = torch.arange(self.num_tokens - n_q, self.num_tokens)
@@ -339,6 +341,7 @@ class ScheduleReplay:
         import torch
 
         from uniprefill_sglang.kernels.reference import select_segment_reference
+        from uniprefill_sglang.selection import SelectionRule, _top_neighbors_of_segment
 
         if not drop_layers:
             return torch.arange(self.num_tokens)
@@ -358,6 +361,11 @@ class ScheduleReplay:
                 scores = self._scores(layer, before)
             keep = select_segment_reference(scores, before, block_size, top_p[-1], 0.0,
                                             self.sink_tokens, self.last_queries)
+            if self.neighbor_blocks:
+                rule = SelectionRule(block_size, self.sink_tokens, self.last_queries,
+                                     self.neighbor_blocks)
+                keep = torch.tensor(_top_neighbors_of_segment(
+                    scores.tolist(), before.tolist(), keep.tolist(), rule), dtype=torch.bool)
             self._survivors[key] = before[keep]
         return self._survivors[key]
 
@@ -370,7 +378,8 @@ class ScheduleReplay:
 
 def estimate_cases(model_path: str, cases, schedules: Sequence[Schedule], heatmap_layers,
                    tokenizer, sink_tokens: int, last_queries: int, progress: bool = True,
-                   device: str = "cpu", top_ps: Sequence[float] = TOP_P_GRID):
+                   device: str = "cpu", top_ps: Sequence[float] = TOP_P_GRID,
+                   neighbor_blocks: int = 0):
     """Per case: the dense answer (HF), the needle spans, and per schedule the estimated kept
     tokens per stage and needle survival; plus single-drop figures per layer for the heat map."""
     from tqdm import tqdm
@@ -387,7 +396,7 @@ def estimate_cases(model_path: str, cases, schedules: Sequence[Schedule], heatma
             raise RuntimeError(f"{case.name}: offsets do not match the case's token ids")
         spans = needle_token_spans(case, enc["offset_mapping"])
         replay = ScheduleReplay(dense_pass.queries, dense_pass.keys, dense_pass.sm_scale,
-                                sink_tokens, last_queries)
+                                sink_tokens, last_queries, neighbor_blocks)
         per_schedule = {}
         for s in schedules:
             final = replay.survivors(s.drop_layers, s.top_p, s.block_size)
@@ -720,11 +729,17 @@ def parse_args(argv=None):
                     help="candidates confirmed by generation, best estimated FLOP saving first")
     ap.add_argument("--compare-default", action="store_true",
                     help="also run the default schedule on the held-out cases (one more engine)")
+    ap.add_argument("--neighbor-blocks", type=int, default=0,
+                    help="every candidate also keeps the blocks next to its N top blocks "
+                         "(--uniprefill-neighbor-blocks), in the replay and the engine; the "
+                         "profile carries it")
     ap.add_argument("--sink-tokens", type=int, default=128)
     ap.add_argument("--last-queries", type=int, default=128)
     ap.add_argument("--engine-kwargs", default="{}", help="JSON of extra sglang.Engine kwargs")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.neighbor_blocks < 0:
+        ap.error(f"--neighbor-blocks must be >= 0, got {args.neighbor_blocks}")
     if set(_ints(args.seeds)) & set(_ints(args.heldout_seeds)):
         ap.error("--heldout-seeds must not share a seed with --seeds")
     from uniprefill_sglang.tools.tasks import TUNING_SEEDS
@@ -813,6 +828,8 @@ def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
     # The engines' context holds the longest case and its answer (the CPU engine's default,
     # 8192, would refuse an 8K case of a model whose own context is longer).
     engine_kwargs = {"context_length": min(shape.context_length, max(lengths) + 256),
+                     **({"uniprefill_neighbor_blocks": args.neighbor_blocks}
+                        if args.neighbor_blocks else {}),
                      **json.loads(args.engine_kwargs)}
     setup = Setup(args=args, command="python -m uniprefill_sglang.calibrate " + " ".join(argv),
                   started=started, model_path=model_path, shape=shape,
@@ -930,7 +947,8 @@ def estimate(setup: Setup, space: SearchSpace) -> Estimates:
     records = estimate_cases(setup.model_path, setup.calibration, [*space.schedules, space.default],
                              space.heatmap_layers, setup.tokenizer, args.sink_tokens,
                              args.last_queries, setup.progress,
-                             "cuda" if torch.cuda.is_available() else "cpu", _floats(args.top_p))
+                             "cuda" if torch.cuda.is_available() else "cpu", _floats(args.top_p),
+                             args.neighbor_blocks)
     seconds = time.perf_counter() - t0
     rows = summarize_estimates(records, space.schedules, setup.shape, setup.lengths)
     passing = sorted((r for r in rows if r["est_agreement"] >= args.target_agreement),
@@ -982,7 +1000,8 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
         "format": PROFILE_FORMAT,
         "model": {"name": Path(setup.model_path).name, "architecture": shape.architecture,
                   "num_layers": shape.num_layers, "hidden_size": shape.hidden_size},
-        "schedule": _schedule_json(best["schedule"]),
+        "schedule": {**_schedule_json(best["schedule"]),
+                     **({"neighbor_blocks": args.neighbor_blocks} if args.neighbor_blocks else {})},
         "agreement": {"target": args.target_agreement,
                       "calibration": _agreement_json(best["confirmed"]),
                       "heldout": _agreement_json(conf.heldout)},
