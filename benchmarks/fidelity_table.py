@@ -22,13 +22,12 @@ def rows(cases: Sequence[dict], config: str, drop_layers: Sequence[int], shape) 
     every case UniPrefill ran, whether dense answered it right or not."""
     from uniprefill_sglang.flops import flop_ideal_speedup
 
+    ran = [c for c in cases if config in c["runs"]]
     by_length: Dict[object, List[dict]] = defaultdict(list)
-    for c in cases:
-        if config in c["runs"]:
-            by_length[c["target_tokens"]].append(c)
+    for c in ran:
+        by_length[c["target_tokens"]].append(c)
     out = []
-    for length, group in [*sorted(by_length.items()), ("all", [c for g in by_length.values()
-                                                                for c in g])]:
+    for length, group in [*sorted(by_length.items()), ("all", ran)]:
         right = [c for c in group if c["dense"]["bench_correct"]]
         kept = [c["runs"][config]["kept_tokens"] for c in group if c["runs"][config]["kept_tokens"]]
         stages = max((len(k) for k in kept), default=1) - 1
