@@ -84,8 +84,9 @@ def select_survivors(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: 
     prefix keys not counted), kept candidates per segment, and the mass each segment lets go;
     no host sync. `reduce_scores` sums the per-token scores over tensor-parallel ranks, each of
     which scored with its own heads."""
-    scores, keep, counts = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
-    return Selection(keep, counts, _dropped_mass(cands, scores, keep))
+    scores, keep, counts, rows = _score_and_select(cands, key_buffer, sm_scale, rule,
+                                                   reduce_scores)
+    return Selection(keep, counts, _dropped_mass(cands, scores, keep, rows))
 
 
 def _candidate_rows(cands: DropCandidates, device):
@@ -105,13 +106,15 @@ def _candidate_rows(cands: DropCandidates, device):
             index - first.index_select(0, segment), counts)
 
 
-def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor):
+def _dropped_mass(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor,
+                  candidate_rows=None):
     """Per segment: the candidates' scores on dropped candidates over all its candidates'
-    scores, in float64, from host-known counts only (no host sync)."""
+    scores, in float64, from host-known counts only (no host sync); `candidate_rows` is
+    `_candidate_rows`' answer where the caller has it already."""
     sums = torch.zeros(2, cands.num_segments, dtype=torch.float64, device=scores.device)
     if keep.numel() == 0:
         return sums[0]
-    segment, rows, _, _ = _candidate_rows(cands, scores.device)
+    segment, rows, _, _ = candidate_rows or _candidate_rows(cands, scores.device)
     cand_scores = scores.index_select(0, rows).to(torch.float64)
     cand_scores = torch.where(cand_scores > 0, cand_scores, 0.0)  # NaN counts as 0, as in select
     sums[0].index_add_(0, segment, cand_scores)
@@ -139,16 +142,17 @@ def select_by_position(cands: DropCandidates, rule: SelectionRule, stride: int =
 
 
 def keep_top_neighbors(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor,
-                       rule: SelectionRule):
+                       rule: SelectionRule, candidate_rows=None):
     """`keep` [C] with the candidate blocks on either side of each segment's
     `rule.neighbor_blocks` highest-scoring candidate blocks added (blocks by original position,
     neighbours at the next lower and higher block number), and the kept counts per segment. A
     block's score is the sum of its candidates' scores outside the sinks and the last window
     (kept anyway, they would take the top places); blocks that score nothing are never top.
     Vectorised over the batch from host-known counts (no host sync): candidates are in position
-    order within a segment, so a block's candidates are one run."""
+    order within a segment, so a block's candidates are one run. `candidate_rows`: as in
+    `_dropped_mass`."""
     device, num = keep.device, cands.num_segments
-    segment, rows, index, cand_counts = _candidate_rows(cands, device)
+    segment, rows, index, cand_counts = candidate_rows or _candidate_rows(cands, device)
     pos = cands.key_pos.index_select(0, rows).to(torch.int64)
     block = pos // rule.block_size
     always = (pos < rule.sink_tokens) | (
@@ -182,8 +186,9 @@ def keep_top_neighbors(cands: DropCandidates, scores: torch.Tensor, keep: torch.
 
 
 def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
-    """(per-key scores [Nk] fp32, the kept mask [C] over the candidates, kept counts): the
-    kernels' two steps, and the neighbours of the top blocks where the rule asks for them."""
+    """(per-key scores [Nk] fp32, the kept mask [C] over the candidates, kept counts,
+    `_candidate_rows` where it was needed, else None): the kernels' two steps, and the
+    neighbours of the top blocks where the rule asks for them."""
     device = cands.key_slots.device
     q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
     k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
@@ -197,9 +202,11 @@ def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
         rule.block_size, to_device(cands.top_p, torch.float32, device),
         to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
     keep = keep[:sum(cands.key_counts) - sum(cands.prefix_counts)]
+    rows = None
     if rule.neighbor_blocks > 0 and keep.numel():
-        keep, counts = keep_top_neighbors(cands, scores, keep, rule)
-    return scores, keep, counts
+        rows = _candidate_rows(cands, device)
+        keep, counts = keep_top_neighbors(cands, scores, keep, rule, rows)
+    return scores, keep, counts, rows
 
 
 def select_survivors_reference(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: float,
@@ -298,7 +305,7 @@ def prefix_coverage(cands: DropCandidates, key_buffer: torch.Tensor, sm_scale: f
     if any(cands.prefix_counts):
         raise ValueError("prefix_coverage scores every key as a candidate: prefix_counts must be 0")
     device = cands.key_slots.device
-    scores, keep, _ = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
+    scores, keep, _, _ = _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores)
     segment = torch.repeat_interleave(
         torch.arange(cands.num_segments, device=device),
         to_device(cands.key_counts, torch.int64, device), output_size=scores.shape[0])
