@@ -408,3 +408,29 @@ def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path
     assert state["selection"]["top_p"] == data["schedule"]["top_p"]
     assert state["selection"]["block_size"] == data["schedule"]["block_size"]
     assert state["drop_layers"] != list(default_drop_layers(30))
+
+
+@pytest.mark.slow
+def test_offline_only_writes_the_replay_and_starts_no_engine(smollm2_path, tmp_path, monkeypatch):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("--offline-only started an engine")
+
+    monkeypatch.setattr(cal, "start_engine", no_engine)
+    out = tmp_path / "replay.json"
+    result = cal.main([
+        "--model", smollm2_path, "--lengths", "1024", "--max-cases", "2",
+        "--layer-sets", "3;3,9", "--top-p", "0.9,0.999", "--block-sizes", "32",
+        "--neighbor-blocks", "2", "--offline-only", "--out", str(out), "--no-progress"])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(result)) and data["neighbor_blocks"] == 2
+    names = [f"layers {ls} top-p {p} block 32" for ls in ("3", "3,9") for p in ("0.9", "0.999")]
+    assert sorted(c["estimate"]["cases"] > 0 for c in data["candidates"]) == [True] * 4
+    # Best estimated saving first; each case says which candidates keep its needle.
+    saving = [c["estimate"]["flop_ideal_speedup"]["1024"] for c in data["candidates"]]
+    assert saving == sorted(saving, reverse=True)
+    assert len(data["cases"]) == 2
+    for case in data["cases"]:
+        assert set(names) <= set(case["needle_kept"]) and set(names) <= set(case["kept"])
+        for name in names:  # top-p 0.999 keeps at least what 0.9 keeps, a later drop no more
+            assert case["kept"][name][0] == case["kept"][names[0]][0]
+        assert case["kept"][names[1]][-1] >= case["kept"][names[0]][-1]

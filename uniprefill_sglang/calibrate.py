@@ -727,6 +727,9 @@ def parse_args(argv=None):
                     help="use only the first N calibration and N held-out cases (smoke runs)")
     ap.add_argument("--confirm", type=int, default=3,
                     help="candidates confirmed by generation, best estimated FLOP saving first")
+    ap.add_argument("--offline-only", action="store_true",
+                    help="stop after the offline replay: write every candidate's estimate "
+                         "(needle survival per case, kept tokens) to --out, start no engine")
     ap.add_argument("--compare-default", action="store_true",
                     help="also run the default schedule on the held-out cases (one more engine)")
     ap.add_argument("--neighbor-blocks", type=int, default=0,
@@ -1049,6 +1052,30 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
     }
 
 
+def write_estimates(setup: Setup, space: SearchSpace, est: Estimates, out: Path) -> dict:
+    """--offline-only: the replay's figures for every candidate, best estimated saving at the
+    longest length first, and per calibration case which candidates keep its needle."""
+    rows = sorted(est.rows, key=lambda r: -r["est_flop_ideal"][setup.longest])
+    print(table(rows, setup.lengths))
+    result = {
+        "format": "uniprefill-replay/1",
+        "model": Path(setup.model_path).name,
+        "neighbor_blocks": setup.args.neighbor_blocks,
+        "candidates": [{**_schedule_json(r["schedule"]), "estimate": _estimate_json(r)}
+                       for r in rows],
+        "cases": [{"case": r["case"].name, "dense_correct": r["hf_dense_correct"],
+                   "needle_kept": {s.name: v["needle_kept"] for s, v in r["schedules"].items()},
+                   "kept": {s.name: v["kept"] for s, v in r["schedules"].items()}}
+                  for r in est.records],
+        "timing_s": {"offline": round(est.seconds, 1)},
+        "command": setup.command, "date": setup.started.date().isoformat(),
+        "commit": _git_commit()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result) + "\n")
+    print(f"wrote {out} (offline only, {est.seconds / 60:.1f} min)")
+    return result
+
+
 def print_report(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirmation,
                  out: Path, png: str, duration: float) -> None:
     shown = sorted(conf.confirmed, key=lambda r: -r["est_flop_ideal"][setup.longest])
@@ -1077,6 +1104,8 @@ def main(argv=None) -> dict:
           f"{len(setup.heldout)} held-out cases", flush=True)
     space = search_space(args, setup.shape)
     est = estimate(setup, space)
+    if args.offline_only:
+        return write_estimates(setup, space, est, Path(args.out))
     conf = confirm(setup, space, est)
     duration = time.perf_counter() - t_start
 
