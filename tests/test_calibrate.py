@@ -343,7 +343,8 @@ def test_the_shipped_profiles_load():
     smollm2 = find_shipped_profile(["LlamaForCausalLM"], 30, 576)
     assert smollm2 is not None and smollm2.drop_layers != default_drop_layers(30)
     gemma = find_shipped_profile(["Gemma3ForCausalLM"], 18, 640)  # Gemma-3-270M
-    assert gemma is not None and gemma.drop_layers == (5, 11) and gemma.block_size == 64
+    assert gemma is not None and gemma.drop_layers == (5, 11) and gemma.block_size == 32
+    assert gemma.neighbor_blocks == 4 and gemma.max_dropped_mass is None
 
 
 def test_a_bad_profile_names_the_flag(tmp_path):

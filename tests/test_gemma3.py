@@ -2,7 +2,7 @@
 
 Gemma 3 has five sliding-window layers (window 512) per global layer; Gemma-3-270M's global
 layers are 5, 11 and 17 of 18. UniPrefill drops by the shipped profile (profiles/gemma-3-270m.json,
-calibrated leave-families-out: layers 5 and 11, top-p 0.975, block 64), and the later
+calibrated on three haystacks: layers 5 and 11, top-p 0.975, block 32, neighbour blocks 4), and the later
 sliding-window layers attend to the survivors
 within the window, measured in original positions. Two 2K-token retrieval prompts (four
 windows long), chunked prefill at 1024 (each parks its first chunk), the radix cache on, the
@@ -80,7 +80,8 @@ def test_gemma3_defaults_are_the_shipped_profile(runs):
     # Layer 5 comes from the profile only (the architecture's own rule drops at 11).
     assert runs["state"]["drop_layers"] == [5, 11]
     selection = runs["state"]["selection"]  # what the server args leave unset
-    assert (selection["top_p"], selection["block_size"]) == (0.975, 64), selection
+    assert (selection["top_p"], selection["block_size"]) == (0.975, 32), selection
+    assert selection["neighbor_blocks"] == 4, selection
     assert selection["profile"].endswith("gemma-3-270m.json"), selection
     assert runs["state"]["kv_layout"] == "staged"
     assert [p["layers"] for p in runs["state"]["kv_pools"]] == [6, 6, 6]

@@ -90,7 +90,7 @@ class UniPrefillServerArgs(ServerArgs):
     ] = DEFAULT_LAST_QUERIES
     uniprefill_neighbor_blocks: A[
         Optional[int],
-        Arg(help="UniPrefill, experimental: at each drop, also keep the blocks on either side "
+        Arg(help="UniPrefill: at each drop, also keep the blocks on either side "
                  "of each request's N highest-scoring blocks outside the sinks and the last "
                  "window (a needle cut by a block boundary keeps both halves); unset: the "
                  "profile's, else 0 (off)."),
