@@ -3,17 +3,9 @@ checked against a case-by-case count on fresh random cases."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
-
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dropped_mass_bound.py"
-    spec = importlib.util.spec_from_file_location("dropped_mass_bound", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_script import load_benchmark
 
 
 def _case(rng):
@@ -25,7 +17,7 @@ def _case(rng):
 
 
 def test_replay_counts_each_case_once():
-    replay = _load().replay_bound
+    replay = load_benchmark("dropped_mass_bound").replay_bound
     rng = random.Random()
     cases = [_case(rng) for _ in range(60)]
     for bound in (0.0, rng.random() * 0.02, 1.0):
@@ -43,7 +35,7 @@ def test_replay_counts_each_case_once():
 
 
 def test_the_bound_read_off_losses_turns_each_of_them_dense():
-    module = _load()
+    module = load_benchmark("dropped_mass_bound")
     rng = random.Random()
     cases = [_case(rng) for _ in range(60)]
     bound = module.bound_below_losses(cases, "uniprefill")

@@ -6,15 +6,13 @@ SmolLM2-135M-Instruct: one engine, four short cases, dense and UniPrefill (top-p
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from uniprefill_sglang.tools.tasks import TASKS, fingerprint, make_case, make_cases
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from benchmark_script import load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +20,6 @@ def tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-def _load_suite():
-    spec = importlib.util.spec_from_file_location(
-        "eval_suite", REPO_ROOT / "benchmarks" / "eval_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_cases_are_deterministic_and_fit_their_budget(tokenizer):
@@ -67,7 +57,7 @@ def test_checker_matches_whole_answers_only(tokenizer):
 
 @pytest.mark.engine
 def test_suite_end_to_end_on_the_cpu_engine(tmp_path, tokenizer):
-    suite = _load_suite()
+    suite = load_benchmark("eval_suite")
     out = tmp_path / "smoke.json"
     result = suite.main(["--tasks", "niah_number,qa", "--lengths", "640,2048", "--depths", "0.5",
                          "--sweep", "default", "--out", str(out), "--no-progress"])

@@ -3,23 +3,15 @@ checked against a case-by-case count on fresh random cases."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 from uniprefill_sglang.architectures import FULL_ATTENTION
 from uniprefill_sglang.flops import FlopShape, flop_ideal_speedup
 
+from benchmark_script import load_benchmark
+
 SHAPE = FlopShape(num_heads=4, head_dim=16, attention_params=4 * 64 * 64, mlp_params=3 * 64 * 128,
                   layer_kinds=(FULL_ATTENTION,) * 6)
-
-
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_table.py"
-    spec = importlib.util.spec_from_file_location("fidelity_table", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _case(rng, i):
@@ -35,7 +27,8 @@ def _case(rng, i):
 def test_rows_count_each_case_once():
     rng = random.Random()
     cases = [_case(rng, i) for i in range(40)]
-    rows = {r["length"]: r for r in _load().rows(cases, "uniprefill", (2, 4), SHAPE)}
+    rows = load_benchmark("fidelity_table").rows(cases, "uniprefill", (2, 4), SHAPE)
+    rows = {r["length"]: r for r in rows}
     assert sorted(rows, key=str) == sorted([2048, 4096, "all"], key=str)
     for length, row in rows.items():
         group = [c for c in cases if length == "all" or c["target_tokens"] == length]

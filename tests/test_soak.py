@@ -15,23 +15,11 @@ abort landing after the answer, is bounded loosely).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmark_script import load_benchmark
+
 pytestmark = pytest.mark.engine
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_soak():
-    spec = importlib.util.spec_from_file_location("soak", REPO_ROOT / "benchmarks" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +28,7 @@ def result(smollm2_path, tmp_path_factory):
 
     if not USE_CPU_ENGINE:
         pytest.skip("the CPU soak needs a machine without CUDA (or UNIPREFILL_CPU_ENGINE=1)")
-    soak = _load_soak()
+    soak = load_benchmark("soak")
     log_dir = tmp_path_factory.mktemp("soak")
     args, extra = soak.parse_args(["--cpu", "--model-path", smollm2_path,
                                    "--log-dir", str(log_dir)])
@@ -98,6 +86,6 @@ def test_a_server_that_stopped_answering_is_a_recorded_problem():
     an exception that loses the soak's figures."""
     from uniprefill_sglang.tools.server_process import free_port
 
-    soak = _load_soak()
+    soak = load_benchmark("soak")
     checks = soak.check_server(f"http://127.0.0.1:{free_port()}", None, idle_timeout_s=2.0)
     assert checks["unreachable"] and checks["problems"][0].startswith("server unreachable"), checks
