@@ -1052,7 +1052,7 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
     }
 
 
-def write_estimates(setup: Setup, space: SearchSpace, est: Estimates, out: Path) -> dict:
+def write_estimates(setup: Setup, est: Estimates, out: Path) -> dict:
     """--offline-only: the replay's figures for every candidate, best estimated saving at the
     longest length first, and per calibration case which candidates keep its needle."""
     rows = sorted(est.rows, key=lambda r: -r["est_flop_ideal"][setup.longest])
@@ -1105,7 +1105,7 @@ def main(argv=None) -> dict:
     space = search_space(args, setup.shape)
     est = estimate(setup, space)
     if args.offline_only:
-        return write_estimates(setup, space, est, Path(args.out))
+        return write_estimates(setup, est, Path(args.out))
     conf = confirm(setup, space, est)
     duration = time.perf_counter() - t_start
 
