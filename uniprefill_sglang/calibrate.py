@@ -340,8 +340,7 @@ class ScheduleReplay:
         repeats), or one number for all."""
         import torch
 
-        from uniprefill_sglang.kernels.reference import select_segment_reference
-        from uniprefill_sglang.selection import SelectionRule, _top_neighbors_of_segment
+        from uniprefill_sglang.selection import SelectionRule, segment_keep_reference
 
         if not drop_layers:
             return torch.arange(self.num_tokens)
@@ -359,14 +358,10 @@ class ScheduleReplay:
                 scores = self._first_scores[layer]
             else:
                 scores = self._scores(layer, before)
-            keep = select_segment_reference(scores, before, block_size, top_p[-1], 0.0,
-                                            self.sink_tokens, self.last_queries)
-            if self.neighbor_blocks:
-                rule = SelectionRule(block_size, self.sink_tokens, self.last_queries,
-                                     self.neighbor_blocks)
-                keep = torch.tensor(_top_neighbors_of_segment(
-                    scores.tolist(), before.tolist(), keep.tolist(), rule), dtype=torch.bool)
-            self._survivors[key] = before[keep]
+            rule = SelectionRule(block_size, self.sink_tokens, self.last_queries,
+                                 self.neighbor_blocks)
+            keep = segment_keep_reference(scores, before, rule, top_p[-1], 0.0)
+            self._survivors[key] = before[torch.tensor(keep, dtype=torch.bool)]
         return self._survivors[key]
 
     def kept_per_stage(self, schedule: Schedule) -> list[int]:

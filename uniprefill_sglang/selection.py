@@ -237,12 +237,21 @@ def _reference_segments(cands: DropCandidates, key_buffer: torch.Tensor, sm_scal
             key_buffer[cands.key_slots[keys].long()], key_pos, sm_scale,
             compute_dtype=torch.float64)
         first = cands.prefix_counts[b]
-        keep = kernels.select_segment_reference(
-            scores[first:], key_pos[first:], rule.block_size, cands.top_p[b],
-            cands.keep_ratio[b], rule.sink_tokens, rule.last_window, compute_dtype=torch.float64)
-        keep = _top_neighbors_of_segment(scores[first:].tolist(), key_pos[first:].tolist(),
-                                         keep.tolist(), rule)
-        yield scores[first:], keep
+        yield scores[first:], segment_keep_reference(
+            scores[first:], key_pos[first:], rule, cands.top_p[b], cands.keep_ratio[b],
+            compute_dtype=torch.float64)
+
+
+def segment_keep_reference(scores: torch.Tensor, positions: torch.Tensor, rule: SelectionRule,
+                           top_p: float, keep_ratio: float,
+                           compute_dtype: torch.dtype = torch.float32) -> list:
+    """Which of one request's candidates (`scores` and original `positions`, [C]) the whole
+    rule keeps, as a list of bools: the kernels' reference selection, then the neighbours of
+    the top blocks where the rule asks for them (calibrate's replay selects with this too)."""
+    keep = kernels.select_segment_reference(scores, positions, rule.block_size, top_p,
+                                            keep_ratio, rule.sink_tokens, rule.last_window,
+                                            compute_dtype=compute_dtype)
+    return _top_neighbors_of_segment(scores.tolist(), positions.tolist(), keep.tolist(), rule)
 
 
 def keep_top_neighbors_reference(cands: DropCandidates, scores: torch.Tensor, keep: torch.Tensor,
