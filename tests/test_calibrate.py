@@ -310,17 +310,23 @@ def test_a_profile_bound_comes_with_its_top_p(tmp_path):
     assert load_profile(_write_profile(tmp_path / "plain.json")).max_dropped_mass is None
 
 
-def test_a_profile_sets_neighbor_blocks_unless_a_flag_does(tmp_path):
-    path = tmp_path / "neighbors.json"
+@pytest.mark.parametrize("knob,value,default", [("neighbor_blocks", 4, 0),
+                                               ("sink_tokens", 64, 128),
+                                               ("last_queries", 32, 128)])
+def test_a_profile_sets_a_selection_knob_unless_a_flag_does(tmp_path, knob, value, default):
+    path = tmp_path / "knob.json"
     data = json.loads(Path(_write_profile(path)).read_text())
-    data["schedule"]["neighbor_blocks"] = 4
+    data["schedule"][knob] = value
     path.write_text(json.dumps(data))
     profile = load_profile(str(path))
-    assert build_config(**FLAGS, profile=profile).neighbor_blocks == 4
-    assert build_config(**{**FLAGS, "neighbor_blocks": 0}, profile=profile).neighbor_blocks == 0
-    assert build_config(**FLAGS).neighbor_blocks == 0
+    unset = {**FLAGS, knob: None}
+    assert getattr(build_config(**unset, profile=profile), knob) == value
+    flag = default + 1
+    assert getattr(build_config(**{**FLAGS, knob: flag}, profile=profile), knob) == flag
+    assert getattr(build_config(**unset), knob) == default
     plain = load_profile(_write_profile(tmp_path / "plain.json"))
-    assert plain.neighbor_blocks is None and build_config(**FLAGS, profile=plain).neighbor_blocks == 0
+    assert getattr(plain, knob) is None
+    assert getattr(build_config(**unset, profile=plain), knob) == default
 
 
 def test_shipped_profiles_are_found_by_architecture_depth_and_hidden_size(tmp_path):

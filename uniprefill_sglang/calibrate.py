@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from uniprefill_sglang import environ, flops
+from uniprefill_sglang.config import DEFAULT_LAST_QUERIES, DEFAULT_SINK_TOKENS
 from uniprefill_sglang.flops import FlopShape
 
 NEEDLE_TASKS = ("niah_number", "niah_uuid", "niah_word", "niah_multikey", "niah_multivalue")
@@ -731,8 +732,11 @@ def parse_args(argv=None):
                     help="every candidate also keeps the blocks next to its N top blocks "
                          "(--uniprefill-neighbor-blocks), in the replay and the engine; the "
                          "profile carries it")
-    ap.add_argument("--sink-tokens", type=int, default=128)
-    ap.add_argument("--last-queries", type=int, default=128)
+    ap.add_argument("--sink-tokens", type=int, default=DEFAULT_SINK_TOKENS,
+                    help="always-kept first tokens, in the replay, the engines and the profile")
+    ap.add_argument("--last-queries", type=int, default=DEFAULT_LAST_QUERIES,
+                    help="scoring queries (the prompt's last N tokens, always kept), in the "
+                         "replay, the engines and the profile")
     ap.add_argument("--engine-kwargs", default="{}", help="JSON of extra sglang.Engine kwargs")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -828,6 +832,9 @@ def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
     engine_kwargs = {"context_length": min(shape.context_length, max(lengths) + 256),
                      **({"uniprefill_neighbor_blocks": args.neighbor_blocks}
                         if args.neighbor_blocks else {}),
+                     # the replay's scoring window and sinks, in the engines too
+                     "uniprefill_last_queries": args.last_queries,
+                     "uniprefill_sink_tokens": args.sink_tokens,
                      **json.loads(args.engine_kwargs)}
     setup = Setup(args=args, command="python -m uniprefill_sglang.calibrate " + " ".join(argv),
                   started=started, model_path=model_path, shape=shape,
@@ -999,7 +1006,11 @@ def profile_json(setup: Setup, space: SearchSpace, est: Estimates, conf: Confirm
         "model": {"name": Path(setup.model_path).name, "architecture": shape.architecture,
                   "num_layers": shape.num_layers, "hidden_size": shape.hidden_size},
         "schedule": {**_schedule_json(best["schedule"]),
-                     **({"neighbor_blocks": args.neighbor_blocks} if args.neighbor_blocks else {})},
+                     **({"neighbor_blocks": args.neighbor_blocks} if args.neighbor_blocks else {}),
+                     **({"sink_tokens": args.sink_tokens}
+                        if args.sink_tokens != DEFAULT_SINK_TOKENS else {}),
+                     **({"last_queries": args.last_queries}
+                        if args.last_queries != DEFAULT_LAST_QUERIES else {})},
         "agreement": {"target": args.target_agreement,
                       "calibration": _agreement_json(best["confirmed"]),
                       "heldout": _agreement_json(conf.heldout)},

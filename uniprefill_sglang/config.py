@@ -69,6 +69,10 @@ class Profile:
     max_dropped_mass: Optional[float] = None
     # --uniprefill-neighbor-blocks where no flag sets it (None: the default, 0).
     neighbor_blocks: Optional[int] = None
+    # --uniprefill-sink-tokens and --uniprefill-last-queries where no flag sets them (None: the
+    # defaults): the sinks and the scoring window the schedule was calibrated with.
+    sink_tokens: Optional[int] = None
+    last_queries: Optional[int] = None
 
     def matches(self, architectures: Sequence[str], num_layers: int, hidden_size: int) -> bool:
         return (self.architecture in architectures and self.num_layers == num_layers
@@ -87,7 +91,9 @@ def load_profile(path: str) -> Profile:
                        architecture=model.get("architecture"), num_layers=model.get("num_layers"),
                        hidden_size=model.get("hidden_size"),
                        max_dropped_mass=_optional_float(schedule.get("max_dropped_mass")),
-                       neighbor_blocks=_optional_int(schedule.get("neighbor_blocks")))
+                       neighbor_blocks=_optional_int(schedule.get("neighbor_blocks")),
+                       sink_tokens=_optional_int(schedule.get("sink_tokens")),
+                       last_queries=_optional_int(schedule.get("last_queries")))
     except (OSError, ValueError, KeyError, TypeError, UniPrefillConfigError) as e:
         raise UniPrefillConfigError(
             f"--uniprefill-profile {path}: not a readable UniPrefill profile ({e!r})") from None
@@ -226,8 +232,8 @@ def build_config(
     top_p,
     keep_ratio,
     block_size: Optional[int],
-    sink_tokens: int,
-    last_queries: int,
+    sink_tokens: Optional[int],
+    last_queries: Optional[int],
     drop_layers,
     min_prompt_tokens: int,
     max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
@@ -241,18 +247,19 @@ def build_config(
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
-    A ``profile`` supplies the drop layers, top-p and block size that no flag sets (None means
-    unset; a keep ratio replaces the profile's top-p), and its dropped-mass bound where its
-    top-p applies and no flag sets one."""
-    bound_from_profile = False
-    if profile is not None:
-        (drop_layers, top_p, block_size, neighbor_blocks, max_dropped_mass,
-         bound_from_profile) = _with_profile(profile, drop_layers, top_p, keep_ratio, block_size,
-                                             neighbor_blocks, max_dropped_mass)
-    if block_size is None:
-        block_size = DEFAULT_BLOCK_SIZE
-    if neighbor_blocks is None:
-        neighbor_blocks = 0
+    A ``profile`` supplies the schedule's knobs that no flag sets (None means unset; a keep
+    ratio replaces the profile's top-p), and its dropped-mass bound where its top-p applies and
+    no flag sets one."""
+    knobs = dict(drop_layers=drop_layers, top_p=top_p, block_size=block_size,
+                 neighbor_blocks=neighbor_blocks, sink_tokens=sink_tokens,
+                 last_queries=last_queries, max_dropped_mass=max_dropped_mass)
+    bound_from_profile = profile is not None and _fill_from_profile(profile, knobs, keep_ratio)
+    drop_layers, top_p, max_dropped_mass = (knobs["drop_layers"], knobs["top_p"],
+                                            knobs["max_dropped_mass"])
+    block_size = _or_default(knobs["block_size"], DEFAULT_BLOCK_SIZE)
+    neighbor_blocks = _or_default(knobs["neighbor_blocks"], 0)
+    sink_tokens = _or_default(knobs["sink_tokens"], DEFAULT_SINK_TOKENS)
+    last_queries = _or_default(knobs["last_queries"], DEFAULT_LAST_QUERIES)
     top_ps, keep_ratios = _parse_selection(top_p, keep_ratio, block_size)
     _check_minimum("--uniprefill-sink-tokens", sink_tokens, 0)
     _check_minimum("--uniprefill-last-queries", last_queries, 1)
@@ -290,23 +297,25 @@ def build_config(
     )
 
 
-def _with_profile(profile: Profile, drop_layers, top_p, keep_ratio, block_size,
-                  neighbor_blocks, max_dropped_mass):
-    """(drop layers, top-p, block size, neighbour blocks, dropped-mass bound, whether that bound
-    is the profile's): the flags', the profile's where no flag set one. The profile's bound comes only
-    with the profile's top-p, which it was calibrated with."""
-    if parse_drop_layers(drop_layers) is None:
-        drop_layers = profile.drop_layers
+def _fill_from_profile(profile: Profile, knobs: dict, keep_ratio) -> bool:
+    """Fill the schedule's unset ``knobs`` (None) from the profile; return whether the
+    dropped-mass bound is the profile's. The bound comes only with the profile's top-p, which it
+    was calibrated with (a keep ratio or a top-p flag selects otherwise)."""
+    if parse_drop_layers(knobs["drop_layers"]) is None:
+        knobs["drop_layers"] = profile.drop_layers
     bound_from_profile = False
-    if top_p is None and keep_ratio is None:
-        top_p = profile.top_p
-        if max_dropped_mass is None and profile.max_dropped_mass is not None:
-            max_dropped_mass, bound_from_profile = profile.max_dropped_mass, True
-    if block_size is None:
-        block_size = profile.block_size
-    if neighbor_blocks is None:
-        neighbor_blocks = profile.neighbor_blocks
-    return drop_layers, top_p, block_size, neighbor_blocks, max_dropped_mass, bound_from_profile
+    if knobs["top_p"] is None and keep_ratio is None:
+        knobs["top_p"] = profile.top_p
+        if knobs["max_dropped_mass"] is None and profile.max_dropped_mass is not None:
+            knobs["max_dropped_mass"], bound_from_profile = profile.max_dropped_mass, True
+    for name in ("block_size", "neighbor_blocks", "sink_tokens", "last_queries"):
+        if knobs[name] is None:
+            knobs[name] = getattr(profile, name)
+    return bound_from_profile
+
+
+def _or_default(value, default):
+    return default if value is None else value
 
 
 def _parse_selection(top_p, keep_ratio, block_size: int):

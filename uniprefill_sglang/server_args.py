@@ -82,12 +82,15 @@ class UniPrefillServerArgs(ServerArgs):
         Arg(help=f"UniPrefill: tokens per scored block (a power of two; default {DEFAULT_BLOCK_SIZE}).")
     ] = None
     uniprefill_sink_tokens: A[
-        int, Arg(help="UniPrefill: the first N prompt tokens are always kept.")
-    ] = DEFAULT_SINK_TOKENS
+        Optional[int],
+        Arg(help="UniPrefill: the first N prompt tokens are always kept (unset: the profile's, "
+                 f"else {DEFAULT_SINK_TOKENS}).")
+    ] = None
     uniprefill_last_queries: A[
-        int,
-        Arg(help="UniPrefill: score with the attention of the last N queries; they are always kept."),
-    ] = DEFAULT_LAST_QUERIES
+        Optional[int],
+        Arg(help="UniPrefill: score with the attention of the last N queries; they are always "
+                 f"kept (unset: the profile's, else {DEFAULT_LAST_QUERIES})."),
+    ] = None
     uniprefill_neighbor_blocks: A[
         Optional[int],
         Arg(help="UniPrefill: at each drop, also keep the blocks on either side "
