@@ -180,14 +180,21 @@ def resolve_model(model: str) -> str:
 # the run
 
 
-def configs_for(sweep: str) -> list[dict]:
-    """UniPrefill configurations: name, sweep parameter, value, engine kwargs, custom params."""
+def configs_for(sweep: str, values: Optional[str] = None) -> list[dict]:
+    """UniPrefill configurations: name, sweep parameter, value, engine kwargs, custom params.
+    ``values`` (';'-separated) replaces the sweep's own; a top-p or keep ratio may be a
+    comma-separated list, one per drop layer (``0.94,0.995;0.92,1.0``)."""
     if sweep == "none":
         return []
     if sweep == "default":
         return [{"name": "uniprefill", "param": None, "value": None, "engine": {}, "custom": {}}]
+    if values is None:
+        values = SWEEP_VALUES[sweep]
+    else:
+        kind = int if sweep in ENGINE_LEVEL else _fraction_or_list
+        values = [kind(v) for v in values.split(";") if v]
     out = []
-    for v in SWEEP_VALUES[sweep]:
+    for v in values:
         if sweep in ENGINE_LEVEL:
             out.append({"name": f"{sweep}={v}", "param": sweep, "value": v,
                         "engine": {ENGINE_LEVEL[sweep]: v}, "custom": {}})
@@ -195,6 +202,12 @@ def configs_for(sweep: str) -> list[dict]:
             out.append({"name": f"{sweep}={v}", "param": sweep, "value": v, "engine": {},
                         "custom": {f"uniprefill_{sweep}": v}})
     return out
+
+
+def _fraction_or_list(text: str):
+    """A swept top-p or keep ratio: a number, or a comma-separated list kept as the request
+    knob takes it (one per drop layer)."""
+    return float(text) if "," not in text else text
 
 
 def _record(case, res: dict) -> dict:
@@ -603,6 +616,8 @@ def plot(summary: dict, configs: list[dict], tasks: Sequence[str], lengths: Sequ
     if len(configs) > 1 and configs[0]["param"] is not None:
         sweep_path = str(Path(path).with_name(Path(path).stem + "_sweep.png"))
         xs = [c["value"] for c in configs]
+        if any(isinstance(x, str) for x in xs):  # one value per drop: categories
+            xs = [str(x) for x in xs]
         allc = [summary[c["name"]]["all"]["all"] for c in configs]
         fig, ax = plt.subplots(figsize=(4.5, 3))
         ax.plot(xs, [c["uniprefill_acc"] for c in allc], "o-", label="UniPrefill accuracy")
@@ -701,6 +716,9 @@ def parse_args(argv=None):
     ap.add_argument("--shared-haystacks", default=None, help="niah's; default: --haystacks")
     ap.add_argument("--fmt", default="plain", choices=FORMATS)
     ap.add_argument("--sweep", default="default", choices=SWEEPS)
+    ap.add_argument("--sweep-values", default=None,
+                    help="';'-separated values replacing the sweep's own (top-p 0.9-1.0, ...); "
+                         "a top-p or keep ratio may be one per drop: '0.975;0.94,0.995'")
     ap.add_argument("--out", default="eval_suite.json", help="JSON path; PNG(s) beside it")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -730,7 +748,10 @@ def main(argv=None) -> dict:
                       else lengths)
     shared_haystacks = ([h for h in args.shared_haystacks.split(",") if h]
                         if args.shared_haystacks else haystacks)
-    configs = configs_for(args.sweep)
+    if args.sweep_values is not None and args.sweep in ("none", "default"):
+        raise SystemExit("--sweep-values needs a --sweep of top_p, keep_ratio, block_size or "
+                         "last_queries")
+    configs = configs_for(args.sweep, args.sweep_values)
     if shared_tasks and args.sweep in ("none",):
         raise SystemExit("--shared-tasks compares UniPrefill with dense: use a sweep with configs")
     started = datetime.datetime.now(datetime.timezone.utc)

@@ -105,3 +105,15 @@ def test_suite_end_to_end_on_the_cpu_engine(tmp_path, tokenizer):
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert 5_000 < png.stat().st_size < 200_000
     assert data["meta"]["pngs"] == [str(png)]
+
+
+def test_sweep_values_replace_a_sweeps_own():
+    suite = load_benchmark("eval_suite")
+    assert [c["value"] for c in suite.configs_for("top_p")] == list(suite.SWEEP_VALUES["top_p"])
+    per_drop = suite.configs_for("top_p", "0.975;0.94,0.995")
+    assert [c["custom"] for c in per_drop] == [{"uniprefill_top_p": 0.975},
+                                               {"uniprefill_top_p": "0.94,0.995"}]
+    assert [c["name"] for c in per_drop] == ["top_p=0.975", "top_p=0.94,0.995"]
+    window = suite.configs_for("last_queries", "32;64")
+    assert [c["engine"] for c in window] == [{"uniprefill_last_queries": 32},
+                                             {"uniprefill_last_queries": 64}]
