@@ -153,6 +153,11 @@ def _result(chunk: Optional[dict], ttft: Optional[float], e2e: float) -> dict:
     if chunk is None:
         raise RuntimeError("the server streamed no output")
     meta = chunk.get("meta_info", {})
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        # e.g. a prompt longer than the engine's KV pool allows: an empty answer would count
+        # as a wrong one and leave the case out of the agreement silently
+        raise RuntimeError(f"the engine aborted the request: {finish.get('message')}")
     up = (meta.get("uniprefill") or [{}])[-1]
     return {"text": chunk.get("text", ""), "ttft_s": ttft, "e2e_s": e2e,
             "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"),

@@ -117,3 +117,14 @@ def test_sweep_values_replace_a_sweeps_own():
     window = suite.configs_for("last_queries", "32;64")
     assert [c["engine"] for c in window] == [{"uniprefill_last_queries": 32},
                                              {"uniprefill_last_queries": 64}]
+
+
+def test_an_aborted_request_fails_the_run_instead_of_counting_as_wrong():
+    suite = load_benchmark("eval_suite")
+    done = {"text": " 42", "meta_info": {"prompt_tokens": 9, "finish_reason": {"type": "stop"}}}
+    assert suite._result(done, 0.1, 0.2)["text"] == " 42"
+    refused = {"text": "", "meta_info": {"prompt_tokens": 1, "finish_reason": {
+        "type": "abort", "message": "Input length (7599 tokens) exceeds the maximum allowed "
+                                    "length (7231 tokens)."}}}
+    with pytest.raises(RuntimeError, match="exceeds the maximum allowed length"):
+        suite._result(refused, 0.1, 0.2)
