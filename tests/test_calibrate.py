@@ -37,7 +37,7 @@ def _recorded(n_tokens=700, n_queries=32, layers=(2, 5), seed=0, needle=(300, 31
     for layer in layers:
         q = torch.randn(n_queries, 6, 16, generator=g)
         k = torch.randn(n_tokens, 2, 16, generator=g)
-        k[needle[0]:needle[1]] += 3 * q.mean(0).view(2, 3, 16).mean(1)
+        k[needle[0]:needle[1]] += 8 * q.mean(0).view(2, 3, 16).mean(1)
         queries[layer], keys[layer] = q, k
     return queries, keys
 
