@@ -1,9 +1,8 @@
 """Gemma-3-270M (a sliding-window hybrid), converted from its PyPI GGUF, on SGLang's CPU engine.
 
 Gemma 3 has five sliding-window layers (window 512) per global layer; Gemma-3-270M's global
-layers are 5, 11 and 17 of 18. UniPrefill drops by the shipped profile (profiles/gemma-3-270m.json,
-calibrated on three haystacks: layers 5 and 11, top-p 0.975, block 32, neighbour blocks 4), and the later
-sliding-window layers attend to the survivors
+layers are 5, 11 and 17 of 18. UniPrefill drops by the shipped profile (profiles/gemma-3-270m.json: its
+first drop at global layer 5), and the later sliding-window layers attend to the survivors
 within the window, measured in original positions. Two 2K-token retrieval prompts (four
 windows long), chunked prefill at 1024 (each parks its first chunk), the radix cache on, the
 staged KV layout: top-p 1.0 must answer token for token as dense; the default and a forced keep
@@ -66,8 +65,8 @@ def runs(gemma_path):
                 flush_cache(engine)  # the cache emptied first: no request reuses another's prompt
                 params = dict(greedy, **({"custom_params": custom} if custom else {}))
                 run[name] = engine.generate(input_ids=case.input_ids, sampling_params=params)
-            # Asked again, the prompt cached by the forced request: its prefix is sparse at
-            # layer 11 on, and the verify policy re-selects or reuses; the answer is dense's.
+            # Asked again, the prompt cached by the forced request: its prefix is sparse after
+            # the first drop, and the verify policy re-selects or reuses; the answer is dense's.
             run["again"] = engine.generate(input_ids=case.input_ids, sampling_params=greedy)
             out["runs"].append(run)
         out["state"] = idle_state(engine)
@@ -77,14 +76,21 @@ def runs(gemma_path):
 
 
 def test_gemma3_defaults_are_the_shipped_profile(runs):
+    from uniprefill_sglang.config import find_shipped_profile, one_or_list
+
+    profile = find_shipped_profile(["Gemma3ForCausalLM"], 18, 640)
     # Layer 5 comes from the profile only (the architecture's own rule drops at 11).
-    assert runs["state"]["drop_layers"] == [5, 11]
+    assert runs["state"]["drop_layers"] == list(profile.drop_layers) and 5 in profile.drop_layers
     selection = runs["state"]["selection"]  # what the server args leave unset
-    assert (selection["top_p"], selection["block_size"]) == (0.975, 32), selection
-    assert selection["neighbor_blocks"] == 4, selection
-    assert selection["profile"].endswith("gemma-3-270m.json"), selection
+    assert selection["top_p"] == one_or_list(profile.top_p), selection
+    assert selection["block_size"] == profile.block_size, selection
+    assert selection["neighbor_blocks"] == (profile.neighbor_blocks or 0), selection
+    assert selection["profile"] == profile.path, selection
     assert runs["state"]["kv_layout"] == "staged"
-    assert [p["layers"] for p in runs["state"]["kv_pools"]] == [6, 6, 6]
+    # one pool per stage: the layers up to the first drop, between drops, after the last
+    bounds = [0, *(layer + 1 for layer in profile.drop_layers), 18]
+    assert [p["layers"] for p in runs["state"]["kv_pools"]] == [
+        b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def test_top_p_1_answers_token_for_token_as_dense(runs):
