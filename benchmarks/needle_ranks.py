@@ -51,25 +51,19 @@ def needle_rank(block_scores, droppable, needle_blocks: Sequence[int]) -> dict:
 
 def head_scores(q, k, sm_scale: float, window: int):
     """[heads, keys]: each query head's causal softmax summed over the last `window` of the
-    recorded queries (q: [n, Hq, D], the prompt's last n; k: [m, Hkv, D])."""
+    recorded queries (q: [n, Hq, D], the prompt's last n; k: [m, Hkv, D]), by the selection's
+    own scoring reference, one query head at a time."""
     import torch
+
+    from uniprefill_sglang.kernels.reference import score_segment_reference
 
     n, hq, _ = q.shape
     m, hkv, _ = k.shape
-    q = q[n - window:].float()
-    k = k.float().repeat_interleave(hq // hkv, dim=1)
-    q_pos = torch.arange(m - window, m).view(-1, 1)
-    visible = torch.arange(m).view(1, -1) <= q_pos
-    logits = torch.einsum("nhd,mhd->hnm", q, k) * sm_scale
-    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).sum(1)
-
-
-def block_sums(token_scores, block_size: int):
-    import torch
-
-    m = token_scores.shape[-1]
-    padded = torch.nn.functional.pad(token_scores, (0, -m % block_size))
-    return padded.view(*token_scores.shape[:-1], -1, block_size).sum(-1)
+    group = hq // hkv
+    q_pos, k_pos = torch.arange(m - window, m), torch.arange(m)
+    return torch.stack([
+        score_segment_reference(q[n - window:, h:h + 1], q_pos, k[:, h // group:h // group + 1],
+                                k_pos, sm_scale) for h in range(hq)])
 
 
 def variants(per_head, droppable_tokens) -> Dict[str, object]:
@@ -85,6 +79,8 @@ def case_ranks(recorded_q, recorded_k, sm_scale, layers, windows, spans, n_token
     whole is the widest scoring window."""
     import torch
 
+    from uniprefill_sglang.kernels.reference import block_scores_reference
+
     num_blocks = -(-n_tokens // block_size)
     droppable = torch.ones(num_blocks, dtype=torch.bool)
     droppable[:-(-sink_tokens // block_size)] = False
@@ -97,8 +93,8 @@ def case_ranks(recorded_q, recorded_k, sm_scale, layers, windows, spans, n_token
         for window in windows:
             per_head = head_scores(recorded_q[layer], recorded_k[layer], sm_scale, window)
             for name, scores in variants(per_head, droppable_tokens).items():
-                out[f"{layer}:q{window}:{name}"] = needle_rank(block_sums(scores, block_size),
-                                                               droppable, needle_blocks)
+                out[f"{layer}:q{window}:{name}"] = needle_rank(
+                    block_scores_reference(scores, block_size), droppable, needle_blocks)
     return out
 
 
