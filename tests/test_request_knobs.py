@@ -123,3 +123,26 @@ def test_good_knobs():
                  profiled).max_dropped_mass == 0.1
     assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio",
                      "uniprefill_prefix_policy", "uniprefill_max_dropped_mass")
+
+
+# One-per-drop forms: the start-up flags and the per-request knobs share one parser, so a value
+# a client may send is one an operator may start the server with, and the other way round.
+FORMS = [0.5, 1, "0.9", "0.995, 0.9", [0.3, 0.6], (1.0,), "", [], True, "0.9,nan", [0.5, 2],
+         "abc", math.inf, -0.1, [0.5, "0.4"]]
+
+
+@pytest.mark.parametrize("value", FORMS, ids=[repr(v) for v in FORMS])
+def test_flags_and_knobs_accept_the_same_per_drop_forms(value):
+    def outcome(parse):
+        try:
+            return parse()
+        except ValueError as error:
+            # the reason, without the value's rendering (JSON for a request, Python for a flag)
+            return type(error).__name__, str(error).split(" must ")[1].split(", got")[0]
+
+    flag = outcome(lambda: build_config(**{**FLAGS, "top_p": value}).top_p)
+    knob = outcome(lambda: parse_request_knobs({"uniprefill_top_p": value}, TOP_P_SERVER).top_p)
+    if flag and flag[0] == "UniPrefillConfigError":
+        assert knob == ("RequestKnobError", flag[1])
+    else:
+        assert flag == knob and all(0 < f <= 1 for f in flag)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
@@ -122,25 +123,42 @@ def default_drop_layers(num_layers: int) -> tuple[int, ...]:
     return arch_table.scaled_reference_layers(num_layers)
 
 
+def fractions_per_drop(value, name: str, error: type = UniPrefillConfigError,
+                       show=repr) -> tuple[float, ...]:
+    """One fraction in (0, 1] per drop layer (the last repeats), from a number, a non-empty list
+    or a comma-separated string, as the top-p, keep-ratio and stage-KV flags and the per-request
+    knobs take them. A bad value raises `error` naming `name` (and the item's index inside a
+    list) and the value as `show` renders it. Booleans are not numbers (true is not a top-p of
+    1); NaN and infinities are out of range."""
+    if isinstance(value, str):
+        parts = [p for p in value.replace(" ", "").split(",") if p]
+        try:
+            items = [float(p) for p in parts]
+        except ValueError:
+            raise error(f"{name} must be a fraction in (0, 1] or a comma-separated list of them, "
+                        f"got {show(value)}") from None
+        indexed = len(items) > 1
+    elif isinstance(value, (list, tuple)):
+        items, indexed = list(value), True
+    else:
+        items, indexed = [value], False
+    if not items:
+        raise error(f"{name} must be a fraction in (0, 1] or a non-empty list of them, "
+                    f"got {show(value)}")
+    fractions = []
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]" if indexed else name
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            raise error(f"{where} must be a number in (0, 1], got {show(item)}")
+        if not (math.isfinite(item) and 0.0 < item <= 1.0):
+            raise error(f"{where} must be in (0, 1], got {show(float(item))}")
+        fractions.append(float(item))
+    return tuple(fractions)
+
+
 def parse_fractions(value, flag: str) -> Optional[tuple[float, ...]]:
-    """Accept None, 0.5, "0.5", "0.5,0.8" or a sequence: one fraction in (0, 1] per drop (the
-    last repeats), as the keep-ratio, top-p and stage-KV flags take them."""
-    if value is None:
-        return None
-    try:
-        if isinstance(value, str):
-            ratios = tuple(float(x) for x in value.replace(" ", "").split(",") if x)
-        elif isinstance(value, (int, float)):
-            ratios = (float(value),)
-        else:
-            ratios = tuple(float(x) for x in value)
-    except (TypeError, ValueError):
-        raise UniPrefillConfigError(
-            f"{flag} must be a fraction in (0, 1] or a comma-separated list of them, got {value!r}"
-        ) from None
-    if not ratios or not all(0.0 < r <= 1.0 for r in ratios):
-        raise UniPrefillConfigError(f"{flag} must be in (0, 1] (one per drop layer), got {value!r}")
-    return ratios
+    """`fractions_per_drop` for a start-up flag or a profile field; None stays None (unset)."""
+    return None if value is None else fractions_per_drop(value, flag)
 
 
 def parse_drop_layers(value) -> Optional[tuple[int, ...]]:

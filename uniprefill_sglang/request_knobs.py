@@ -36,7 +36,8 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from uniprefill_sglang.config import DEFAULT_PREFIX_POLICY, PREFIX_POLICIES, UniPrefillConfig
+from uniprefill_sglang.config import (DEFAULT_PREFIX_POLICY, PREFIX_POLICIES, UniPrefillConfig,
+                                      fractions_per_drop)
 
 ENABLE = "uniprefill"
 TOP_P = "uniprefill_top_p"
@@ -67,16 +68,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _fraction(key: str, value: Any, what: str = "") -> float:
-    if not _is_number(value):
-        raise RequestKnobError(
-            f"{_name(key)}{what} must be a number in (0, 1], got {_show(value)}")
-    value = float(value)
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise RequestKnobError(f"{_name(key)}{what} must be in (0, 1], got {_show(value)}")
-    return value
-
-
 def _bound(key: str, value: Any) -> float:
     if not _is_number(value):
         raise RequestKnobError(f"{_name(key)} must be a number in [0, 1], got {_show(value)}")
@@ -100,30 +91,7 @@ def _show(value: Any) -> str:
 def _per_drop(knob: str, value: Any) -> tuple:
     """A fraction, or one per drop layer (a list or a comma-separated string; the last
     repeats)."""
-    if isinstance(value, str):
-        parts = [p for p in value.replace(" ", "").split(",") if p]
-        if not parts:
-            raise RequestKnobError(
-                f"{_name(knob)} must be a fraction in (0, 1] or a list of them, "
-                f"got {_show(value)}")
-        fractions = []
-        for i, p in enumerate(parts):
-            try:
-                number = float(p)
-            except ValueError:
-                raise RequestKnobError(
-                    f"{_name(knob)} must be a fraction in (0, 1] or a comma-separated "
-                    f"list of them, got {_show(value)}") from None
-            suffix = f"[{i}]" if len(parts) > 1 else ""
-            fractions.append(_fraction(knob, number, suffix))
-        return tuple(fractions)
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise RequestKnobError(
-                f"{_name(knob)} must be a fraction in (0, 1] or a non-empty list of them, "
-                "got []")
-        return tuple(_fraction(knob, v, f"[{i}]") for i, v in enumerate(value))
-    return (_fraction(knob, value),)
+    return fractions_per_drop(value, _name(knob), RequestKnobError, _show)
 
 
 def _is_ours(key: Any) -> bool:
