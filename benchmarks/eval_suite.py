@@ -228,14 +228,17 @@ def case_label(case) -> str:
 
 def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bool = True,
               log=print, shared_cases: Sequence = (), only_dense_right: Optional[str] = None,
-              checkpoint=None) -> tuple[list[dict], dict]:
+              checkpoint=None, dense_from: Optional[dict] = None) -> tuple[list[dict], dict]:
     """Serve every case dense and under every config. ``target_factory(engine_overrides)``
     returns a target; configs with different engine kwargs get their own target (in turn).
     ``shared_cases`` (shared_context_tasks.SharedCase) run after the single cases in each
     target (which must have its radix cache on); their rows are ``timing["shared_rows"]``.
     ``only_dense_right`` (``"correct"`` or ``"bench_correct"``): skip the UniPrefill requests of a
     single case dense gets wrong by that rule (its row has no run for the config).
-    ``checkpoint(rows, shared_rows)``, if given, is called after every case (partial results)."""
+    ``checkpoint(rows, shared_rows)``, if given, is called after every case (partial results).
+    ``dense_from`` (case name -> an earlier run's dense record, see reusable_dense): those cases
+    are not sent dense again (dense outputs do not change with the UniPrefill schedule); their
+    TTFT ratios then compare with that earlier engine's dense TTFT."""
     from tqdm import tqdm
 
     rows = [{"name": c.name, "task": case_label(c), "family": c.task, "haystack": c.haystack,
@@ -274,9 +277,11 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
                 sp = {"temperature": 0.0, "max_new_tokens": case.max_new_tokens}
                 # Dense in every engine too: TTFT ratios compare requests of one engine (engines
                 # started minutes apart see different load; dense outputs do not change).
-                _flush(target)
-                dense = _record(case, target.generate(
-                    case.input_ids, {**sp, "custom_params": DENSE}))
+                dense = (dense_from or {}).get(case.name)
+                if dense is None:
+                    _flush(target)
+                    dense = _record(case, target.generate(
+                        case.input_ids, {**sp, "custom_params": DENSE}))
                 if not dense_done:
                     row["dense"] = dense
                 bar.update(1)
@@ -306,6 +311,20 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
     if shared_cases:
         timing["shared_rows"] = shared_rows
     return rows, timing
+
+
+def reusable_dense(path: str, cases: Sequence) -> dict:
+    """The dense records of an earlier eval_suite result for the cases that match one of
+    ``cases`` by name, prompt and answers (same tokenizer and generator), by case name."""
+    earlier = {r["name"]: r for r in json.loads(Path(path).read_text())["cases"]
+               if "dense" in r}
+    found = {}
+    for case in cases:
+        row = earlier.get(case.name)
+        if (row is not None and row["n_tokens"] == case.n_tokens
+                and row["answers"] == list(case.answers)):
+            found[case.name] = row["dense"]
+    return found
 
 
 def _flush(target) -> None:
@@ -724,6 +743,9 @@ def parse_args(argv=None):
     ap.add_argument("--sweep-values", default=None,
                     help="';'-separated values replacing the sweep's own (top-p 0.9-1.0, ...); "
                          "a top-p or keep ratio may be one per drop: '0.975;0.94,0.995'")
+    ap.add_argument("--dense-from", default=None,
+                    help="an earlier result JSON of the same model: its dense answers are reused "
+                         "for the cases it holds (matched by name, length and answers)")
     ap.add_argument("--out", default="eval_suite.json", help="JSON path; PNG(s) beside it")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -805,10 +827,14 @@ def main(argv=None) -> dict:
     # The header says where the run started: taken now, not when the result is written.
     header = result_header(model=model_path, argv=[
         "benchmarks/eval_suite.py", *(argv if argv is not None else sys.argv[1:])])
+    dense_from = reusable_dense(args.dense_from, cases) if args.dense_from else None
+    if dense_from is not None:
+        print(f"dense answers of {len(dense_from)}/{len(cases)} cases from {args.dense_from}",
+              flush=True)
     rows, timing = run_suite(factory, cases, configs, progress=not args.no_progress,
                              shared_cases=shared,
                              only_dense_right=rule if args.only_dense_right else None,
-                             checkpoint=checkpoint)
+                             checkpoint=checkpoint, dense_from=dense_from)
     shared_rows = timing.pop("shared_rows", [])
     summary = summarize(rows, configs)
     shared_summary = summarize_shared(shared_rows, configs) if shared_rows else {}
@@ -831,7 +857,9 @@ def main(argv=None) -> dict:
                        "queries": args.shared_queries, "fmt": args.shared_fmt,
                        "haystacks": shared_haystacks, "n_cases": len(shared)},
             "fmt": args.fmt, "sweep": args.sweep, "n_cases": len(cases),
-            "case_fingerprint": fingerprint(cases), "case_generation_s": gen_s, **timing,
+            "case_fingerprint": fingerprint(cases), "case_generation_s": gen_s,
+            "dense_from": args.dense_from and {"path": args.dense_from,
+                                               "cases": len(dense_from)}, **timing,
         },
         "configs": configs, "summary": summary, "cases": rows,
     }

@@ -119,6 +119,21 @@ def test_sweep_values_replace_a_sweeps_own():
                                              {"uniprefill_last_queries": 64}]
 
 
+def test_dense_answers_are_reused_only_for_the_same_cases(tmp_path, tokenizer):
+    suite = load_benchmark("eval_suite")
+    cases = make_cases(tokenizer, ["niah_number", "niah_multikey"], [700], [0.5], [0, 1])
+    rows = [{"name": c.name, "n_tokens": c.n_tokens, "answers": list(c.answers),
+             "dense": {"text": f"dense {k}"}} for k, c in enumerate(cases)]
+    rows[1]["n_tokens"] += 1  # another prompt under the same name (tokenizer or generator moved)
+    rows[2]["answers"] = ["0"]  # another needle
+    del rows[3]["dense"]  # a row of a run cut off before its dense answer
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"cases": rows}))
+    reused = suite.reusable_dense(str(earlier), cases)
+    assert reused == {cases[0].name: {"text": "dense 0"}}
+    assert suite.reusable_dense(str(earlier), cases[1:]) == {}
+
+
 def test_an_aborted_request_fails_the_run_instead_of_counting_as_wrong():
     suite = load_benchmark("eval_suite")
     done = {"text": " 42", "meta_info": {"prompt_tokens": 9, "finish_reason": {"type": "stop"}}}
