@@ -313,17 +313,21 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
     return rows, timing
 
 
-def reusable_dense(path: str, cases: Sequence) -> dict:
-    """The dense records of an earlier eval_suite result for the cases that match one of
-    ``cases`` by name, prompt and answers (same tokenizer and generator), by case name."""
-    earlier = {r["name"]: r for r in json.loads(Path(path).read_text())["cases"]
-               if "dense" in r}
+def reusable_dense(paths: Sequence[str], cases: Sequence) -> dict:
+    """The dense records of earlier eval_suite results for the cases that match one of
+    ``cases`` by name, prompt and answers (same tokenizer and generator) and that ran whole (a
+    request the engine refused or aborted has no answer to reuse), by case name; the first
+    file holding a case gives its record."""
+    wanted = {c.name: c for c in cases}
     found = {}
-    for case in cases:
-        row = earlier.get(case.name)
-        if (row is not None and row["n_tokens"] == case.n_tokens
-                and row["answers"] == list(case.answers)):
-            found[case.name] = row["dense"]
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["cases"]:
+            case, dense = wanted.get(row["name"]), row.get("dense")
+            if (case is None or dense is None or row["name"] in found
+                    or row["n_tokens"] != case.n_tokens or row["answers"] != list(case.answers)
+                    or dense.get("prompt_tokens") != case.n_tokens):
+                continue
+            found[row["name"]] = dense
     return found
 
 
@@ -743,9 +747,10 @@ def parse_args(argv=None):
     ap.add_argument("--sweep-values", default=None,
                     help="';'-separated values replacing the sweep's own (top-p 0.9-1.0, ...); "
                          "a top-p or keep ratio may be one per drop: '0.975;0.94,0.995'")
-    ap.add_argument("--dense-from", default=None,
-                    help="an earlier result JSON of the same model: its dense answers are reused "
-                         "for the cases it holds (matched by name, length and answers)")
+    ap.add_argument("--dense-from", action="append", default=[],
+                    help="an earlier result JSON of the same model (repeatable): its dense "
+                         "answers are reused for the cases it holds (matched by name, prompt and "
+                         "answers; requests that did not run whole are sent again)")
     ap.add_argument("--out", default="eval_suite.json", help="JSON path; PNG(s) beside it")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -829,8 +834,8 @@ def main(argv=None) -> dict:
         "benchmarks/eval_suite.py", *(argv if argv is not None else sys.argv[1:])])
     dense_from = reusable_dense(args.dense_from, cases) if args.dense_from else None
     if dense_from is not None:
-        print(f"dense answers of {len(dense_from)}/{len(cases)} cases from {args.dense_from}",
-              flush=True)
+        print(f"dense answers of {len(dense_from)}/{len(cases)} cases from "
+              f"{', '.join(args.dense_from)}", flush=True)
     rows, timing = run_suite(factory, cases, configs, progress=not args.no_progress,
                              shared_cases=shared,
                              only_dense_right=rule if args.only_dense_right else None,
@@ -858,7 +863,7 @@ def main(argv=None) -> dict:
                        "haystacks": shared_haystacks, "n_cases": len(shared)},
             "fmt": args.fmt, "sweep": args.sweep, "n_cases": len(cases),
             "case_fingerprint": fingerprint(cases), "case_generation_s": gen_s,
-            "dense_from": args.dense_from and {"path": args.dense_from,
+            "dense_from": args.dense_from and {"paths": args.dense_from,
                                                "cases": len(dense_from)}, **timing,
         },
         "configs": configs, "summary": summary, "cases": rows,

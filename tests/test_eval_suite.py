@@ -119,19 +119,26 @@ def test_sweep_values_replace_a_sweeps_own():
                                              {"uniprefill_last_queries": 64}]
 
 
-def test_dense_answers_are_reused_only_for_the_same_cases(tmp_path, tokenizer):
+def test_dense_answers_are_reused_only_for_the_same_cases_run_whole(tmp_path, tokenizer):
     suite = load_benchmark("eval_suite")
     cases = make_cases(tokenizer, ["niah_number", "niah_multikey"], [700], [0.5], [0, 1])
     rows = [{"name": c.name, "n_tokens": c.n_tokens, "answers": list(c.answers),
-             "dense": {"text": f"dense {k}"}} for k, c in enumerate(cases)]
+             "dense": {"text": f"dense {k}", "prompt_tokens": c.n_tokens}}
+            for k, c in enumerate(cases)]
     rows[1]["n_tokens"] += 1  # another prompt under the same name (tokenizer or generator moved)
     rows[2]["answers"] = ["0"]  # another needle
-    del rows[3]["dense"]  # a row of a run cut off before its dense answer
+    rows[3]["dense"] = {"text": "", "prompt_tokens": 1}  # refused by an engine with less room
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"cases": rows}))
-    reused = suite.reusable_dense(str(earlier), cases)
-    assert reused == {cases[0].name: {"text": "dense 0"}}
-    assert suite.reusable_dense(str(earlier), cases[1:]) == {}
+    assert suite.reusable_dense([str(earlier)], cases) == {cases[0].name: rows[0]["dense"]}
+    assert suite.reusable_dense([str(earlier)], cases[1:]) == {}
+    # A second file fills in what the first lacks; the first holding a case wins.
+    fixed = [{**rows[0], "dense": {"text": "other", "prompt_tokens": cases[0].n_tokens}},
+             {**rows[3], "dense": {"text": "dense 3", "prompt_tokens": cases[3].n_tokens}}]
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"cases": fixed}))
+    assert suite.reusable_dense([str(earlier), str(later)], cases) == {
+        cases[0].name: rows[0]["dense"], cases[3].name: fixed[1]["dense"]}
 
 
 def test_an_aborted_request_fails_the_run_instead_of_counting_as_wrong():
