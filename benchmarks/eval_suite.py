@@ -276,7 +276,8 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
             for case, row in zip(cases, rows):
                 sp = {"temperature": 0.0, "max_new_tokens": case.max_new_tokens}
                 # Dense in every engine too: TTFT ratios compare requests of one engine (engines
-                # started minutes apart see different load; dense outputs do not change).
+                # started minutes apart see different load; dense outputs do not change), unless
+                # an earlier run's dense answer was given for the case.
                 dense = (dense_from or {}).get(case.name)
                 if dense is None:
                     _flush(target)
@@ -313,15 +314,20 @@ def run_suite(target_factory, cases: Sequence, configs: list[dict], progress: bo
     return rows, timing
 
 
-def reusable_dense(paths: Sequence[str], cases: Sequence) -> dict:
-    """The dense records of earlier eval_suite results for the cases that match one of
-    ``cases`` by name, prompt and answers (same tokenizer and generator) and that ran whole (a
+def reusable_dense(paths: Sequence[str], cases: Sequence, model: str) -> dict:
+    """The dense records of earlier eval_suite results of ``model`` for the cases that match one
+    of ``cases`` by name, prompt and answers (same tokenizer and generator) and that ran whole (a
     request the engine refused or aborted has no answer to reuse), by case name; the first
-    file holding a case gives its record."""
+    file holding a case gives its record. A result of another model (by its folder's name,
+    which is the same where another machine keeps it) is refused (ValueError)."""
     wanted = {c.name: c for c in cases}
     found = {}
     for path in paths:
-        for row in json.loads(Path(path).read_text())["cases"]:
+        earlier = json.loads(Path(path).read_text())
+        if Path(earlier["meta"]["model"]).name != Path(model).name:
+            raise ValueError(f"--dense-from {path}: a result of {earlier['meta']['model']}, "
+                             f"not of {model}")
+        for row in earlier["cases"]:
             case, dense = wanted.get(row["name"]), row.get("dense")
             if (case is None or dense is None or row["name"] in found
                     or row["n_tokens"] != case.n_tokens or row["answers"] != list(case.answers)
@@ -832,7 +838,8 @@ def main(argv=None) -> dict:
     # The header says where the run started: taken now, not when the result is written.
     header = result_header(model=model_path, argv=[
         "benchmarks/eval_suite.py", *(argv if argv is not None else sys.argv[1:])])
-    dense_from = reusable_dense(args.dense_from, cases) if args.dense_from else None
+    dense_from = (reusable_dense(args.dense_from, cases, model_path) if args.dense_from
+                  else None)
     if dense_from is not None:
         print(f"dense answers of {len(dense_from)}/{len(cases)} cases from "
               f"{', '.join(args.dense_from)}", flush=True)
@@ -863,8 +870,8 @@ def main(argv=None) -> dict:
                        "haystacks": shared_haystacks, "n_cases": len(shared)},
             "fmt": args.fmt, "sweep": args.sweep, "n_cases": len(cases),
             "case_fingerprint": fingerprint(cases), "case_generation_s": gen_s,
-            "dense_from": args.dense_from and {"paths": args.dense_from,
-                                               "cases": len(dense_from)}, **timing,
+            "dense_from": ({"paths": args.dense_from, "cases": len(dense_from)}
+                           if args.dense_from else None), **timing,
         },
         "configs": configs, "summary": summary, "cases": rows,
     }

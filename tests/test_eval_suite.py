@@ -129,15 +129,17 @@ def test_dense_answers_are_reused_only_for_the_same_cases_run_whole(tmp_path, to
     rows[2]["answers"] = ["0"]  # another needle
     rows[3]["dense"] = {"text": "", "prompt_tokens": 1}  # refused by an engine with less room
     earlier = tmp_path / "earlier.json"
-    earlier.write_text(json.dumps({"cases": rows}))
-    assert suite.reusable_dense([str(earlier)], cases) == {cases[0].name: rows[0]["dense"]}
-    assert suite.reusable_dense([str(earlier)], cases[1:]) == {}
+    earlier.write_text(json.dumps({"meta": {"model": "/a/m"}, "cases": rows}))
+    assert suite.reusable_dense([str(earlier)], cases, "/b/m") == {cases[0].name: rows[0]["dense"]}
+    assert suite.reusable_dense([str(earlier)], cases[1:], "m") == {}
+    with pytest.raises(ValueError, match="a result of /a/m, not of other"):
+        suite.reusable_dense([str(earlier)], cases, "other")
     # A second file fills in what the first lacks; the first holding a case wins.
     fixed = [{**rows[0], "dense": {"text": "other", "prompt_tokens": cases[0].n_tokens}},
              {**rows[3], "dense": {"text": "dense 3", "prompt_tokens": cases[3].n_tokens}}]
     later = tmp_path / "later.json"
-    later.write_text(json.dumps({"cases": fixed}))
-    assert suite.reusable_dense([str(earlier), str(later)], cases) == {
+    later.write_text(json.dumps({"meta": {"model": "m"}, "cases": fixed}))
+    assert suite.reusable_dense([str(earlier), str(later)], cases, "m") == {
         cases[0].name: rows[0]["dense"], cases[3].name: fixed[1]["dense"]}
 
 
