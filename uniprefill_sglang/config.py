@@ -123,6 +123,11 @@ def default_drop_layers(num_layers: int) -> tuple[int, ...]:
     return arch_table.scaled_reference_layers(num_layers)
 
 
+def is_number(value) -> bool:
+    """An int or a float, not a bool (JSON's true is not a 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def fractions_per_drop(value, name: str, error: type = UniPrefillConfigError,
                        show=repr) -> tuple[float, ...]:
     """One fraction in (0, 1] per drop layer (the last repeats), from a number, a non-empty list
@@ -148,7 +153,7 @@ def fractions_per_drop(value, name: str, error: type = UniPrefillConfigError,
     fractions = []
     for i, item in enumerate(items):
         where = f"{name}[{i}]" if indexed else name
-        if not isinstance(item, (int, float)) or isinstance(item, bool):
+        if not is_number(item):
             raise error(f"{where} must be a number in (0, 1], got {show(item)}")
         if not (math.isfinite(item) and 0.0 < item <= 1.0):
             raise error(f"{where} must be in (0, 1], got {show(float(item))}")

@@ -37,7 +37,7 @@ import math
 from typing import Any, Optional
 
 from uniprefill_sglang.config import (DEFAULT_PREFIX_POLICY, PREFIX_POLICIES, UniPrefillConfig,
-                                      fractions_per_drop)
+                                      fractions_per_drop, is_number)
 
 ENABLE = "uniprefill"
 TOP_P = "uniprefill_top_p"
@@ -64,12 +64,8 @@ def _name(key: str) -> str:
     return f'custom_params["{key}"]'
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _bound(key: str, value: Any) -> float:
-    if not _is_number(value):
+    if not is_number(value):
         raise RequestKnobError(f"{_name(key)} must be a number in [0, 1], got {_show(value)}")
     value = float(value)
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
