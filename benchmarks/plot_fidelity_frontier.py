@@ -22,8 +22,15 @@ FIDELITY = Path(__file__).resolve().parent / "results" / "fidelity"
 AGREEMENT_BAR, SPEEDUP_BAR = 0.95, 1.5
 
 
-def candidate_rows(spec: dict, shape) -> list[dict]:
-    """Per candidate: its label, whether it is shipped, and fidelity_table's per-length rows."""
+def candidate_rows(model: str, spec: dict) -> list[dict]:
+    """Per candidate of `model` (a model_zoo name, whose config gives the FLOP shape): its label,
+    whether it is shipped, and fidelity_table's per-length rows."""
+    from transformers import AutoConfig
+
+    from uniprefill_sglang.flops import FlopShape
+    from uniprefill_sglang.tools.model_zoo import prepare_model
+
+    shape = FlopShape.from_config(AutoConfig.from_pretrained(prepare_model(model)))
     out = []
     for cand in spec["candidates"]:
         cases = [c for name in cand["results"]
@@ -31,6 +38,12 @@ def candidate_rows(spec: dict, shape) -> list[dict]:
         out.append({"label": cand["label"], "shipped": cand.get("shipped", False),
                     "rows": rows(cases, "uniprefill", cand["drop_layers"], shape)})
     return out
+
+
+def headline(cand: dict) -> tuple[dict, dict]:
+    """A candidate's row over all lengths and its row at the longest length."""
+    by_length = [r for r in cand["rows"] if r["length"] != "all"]
+    return cand["rows"][-1], max(by_length, key=lambda r: r["length"])
 
 
 def _k(tokens: int) -> str:
@@ -63,9 +76,7 @@ def plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
     for ax, (title, cands) in zip(axes[0], panels):
         lowest = AGREEMENT_BAR
         for i, cand in enumerate(cands):
-            longest = max((r for r in cand["rows"] if r["length"] != "all"),
-                          key=lambda r: r["length"])
-            whole = cand["rows"][-1]
+            whole, longest = headline(cand)
             x, y = longest["flop_ideal"], whole["agree"] / whole["dense_right"]
             lowest = min(lowest, y)
             ax.plot(x, y, "*" if cand["shipped"] else "o", ms=14 if cand["shipped"] else 8,
@@ -88,16 +99,10 @@ def main() -> None:
     ap.add_argument("--candidates", default=str(FIDELITY / "reporting_candidates.json"))
     ap.add_argument("--out", default=None, help="PNG path (default: beside --candidates)")
     args = ap.parse_args()
-    from transformers import AutoConfig
-
-    from uniprefill_sglang.flops import FlopShape
-    from uniprefill_sglang.tools.model_zoo import prepare_model
-
     spec = json.loads(Path(args.candidates).read_text())
     panels = []
     for model, per_model in spec["models"].items():
-        shape = FlopShape.from_config(AutoConfig.from_pretrained(prepare_model(model)))
-        cands = candidate_rows(per_model, shape)
+        cands = candidate_rows(model, per_model)
         print(markdown(per_model["title"], cands), end="\n\n")
         panels.append((per_model["title"], cands))
     out = Path(args.out) if args.out else Path(args.candidates).with_suffix(".png")
