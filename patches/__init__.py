@@ -14,6 +14,8 @@ for some SGLang releases only say so (`Hook.sglang`); `all_hooks()` keeps those 
 installed one.
 """
 
+import importlib
+
 from uniprefill_sglang.patches import (
     attention_backends,
     cuda_graphs,
@@ -53,18 +55,49 @@ def all_hooks() -> tuple:
     return tuple(rows)
 
 
+# Adapter rows whose backend module did not import when the loader registered the hooks:
+# registered by `unresolved_hooks` once UniPrefill runs, should the module import by then.
+_DEFERRED: list = []
+
+
 def register_all() -> None:
+    for hook in all_hooks():
+        if hook.backend is not None and not _backend_imports(hook):
+            if hook not in _DEFERRED:
+                _DEFERRED.append(hook)
+        else:
+            _register(hook)
+
+
+def _register(hook) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND,
              "replace": HookType.REPLACE}
-    for hook in all_hooks():
-        if hook.kind in kinds:
-            HookRegistry.register(hook.target, hook.resolve(), kinds[hook.kind])
-        elif hook.kind == "assign":
-            owner, name = hook.target.rsplit(".", 1)
-            module, cls = owner.rsplit(".", 1)
-            setattr(getattr(__import__(module, fromlist=[cls]), cls), name, hook.resolve())
+    if hook.kind in kinds:
+        HookRegistry.register(hook.target, hook.resolve(), kinds[hook.kind])
+    elif hook.kind == "assign":
+        owner, name = hook.target.rsplit(".", 1)
+        module, cls = owner.rsplit(".", 1)
+        setattr(getattr(__import__(module, fromlist=[cls]), cls), name, hook.resolve())
+
+
+def _backend_imports(hook) -> bool:
+    """Whether the module of an attention adapter's backend imports in this process. Where it
+    does not (a backend whose kernels this platform lacks: SGLang's CPU engine cannot import
+    some of them), SGLang cannot build that backend either, and registering its hook would
+    only have the loader log an import traceback that reads as a failure. Such a row waits in
+    `_DEFERRED` (an import cycle at start-up can clear later)."""
+    import logging
+
+    module = hook.target.rsplit(".", 2)[0]  # module.Class.method
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception as error:  # what the loader's own import would have logged
+        logging.getLogger(__name__).debug("UniPrefill: %s not hooked (%s does not import "
+                                          "here: %s)", hook.target, module, error)
+        return False
 
 
 def _ours(hooks) -> bool:
@@ -117,6 +150,9 @@ def unresolved_hooks(backend_classes) -> list:
 
     check_sglang(backend_classes)
     optional = _optional_targets(backend_classes)
+    for hook in [h for h in _DEFERRED if _backend_imports(h)]:
+        _DEFERRED.remove(hook)
+        _register(hook)
     HookRegistry.apply_hooks()  # patched targets are skipped
     return sorted(t for t, hooks in HookRegistry._hooks.items()
                   if _ours(hooks) and t not in HookRegistry._patched and t not in optional)

@@ -22,18 +22,14 @@ Everything else in the plugin asks this module instead of testing versions itsel
 | the decoder layer's residual | passed to the layer and to its norms | `forward_batch.residual_stream`; the norms still take it |
 | attention rows | as given | narrowed to the batch's token count (`padded_extend_real_tokens`) |
 
-How each checked release is tested: 0.5.17 by `bash .ci/run` (the whole suite) and the GPU
-tests (`tests/gpu/`); 0.5.23 on the CPU only, by the second leg of `bash .ci/run`: a virtual
-environment over the first one's packages with 0.5.23's own CPU-side packages installed without
-dependencies (`.ci/sglang-0.5.23.txt`: SGLang, torch 2.14.1, transformers 5.19; the CUDA
-libraries, never loaded on the CPU engine, stay the first environment's), running the hook table,
-the versions check and the engine tests of what moved: the radix cache with follow-ups, the
-frontend and the OpenAI API on the default (staged) layout (`test_http_server.py`), chunked
-prefill and the rejoin (`test_rejoin.py`), less their fault and pool-pressure tests. On a full
-installation of 0.5.23 with its CUDA dependencies (25 minutes to install), these modules,
-`test_staged_layout.py` (left out of CI's leg for time: its engines took 12 of the leg's 24
-minutes on 2 busy cores), `test_cpu_engine_smoke.py` and `test_engine_uniprefill.py` passed
-(2026-12-02); the rest of the suite has not run on 0.5.23.
+How each checked release is tested: 0.5.23, the release pip resolves for a user, by `bash .ci/run`
+(the README's demo command in a fresh environment, then the whole CPU suite); 0.5.17 by the last
+leg of `bash .ci/run`, a virtual environment that sees the first one's packages after its own
+(pip installs there what 0.5.17 pins apart: torch 2.11, transformers 5.12, ...), running the hook
+table, the versions check, a CPU engine's smoke test and the engine tests of what moved: the radix
+cache with follow-ups, the frontend and the OpenAI API on the default (staged) layout
+(`test_http_server.py`), chunked prefill and the rejoin (`test_rejoin.py`), less their fault and
+pool-pressure tests; and by the GPU tests (`tests/gpu/`), whose offline bundle carries 0.5.17.
 """
 
 from __future__ import annotations
