@@ -5,8 +5,13 @@ chunked prefill, prefill CUDA graphs, radix cache on; with ``--rounds N``, N pro
 the configurations taking turns, and a summary of the medians over rounds), over the same
 prompts:
 
-* ``stock``: SGLang without the plugin (``SGLANG_PLUGINS=none``: the entry point is not loaded);
+* ``stock``: SGLang without the plugin (``SGLANG_PLUGINS=none``: the entry point is not loaded),
+  as SGLang configures itself: no backend flag (fa3 on Hopper);
+* ``stock_flashinfer``: the same on FlashInfer, the backend ``--enable-uniprefill`` serves on;
 * ``defaults``: ``enable_uniprefill=True`` and nothing else;
+* ``top_p``: the defaults with ``uniprefill_top_p=0.6``, a top-p that drops on random weights
+  (which make top-p 0.99 keep almost everything): the speed of the defaults where a model's
+  attention is concentrated, its realised keep in the row;
 * ``staged``: the defaults with ``uniprefill_kv_layout="staged"``;
 * ``keep``: the defaults with ``uniprefill_keep_ratio="0.5,0.8"`` (random weights make top-p keep
   almost everything, so this row shows the speed a real model's drops buy);
@@ -16,8 +21,8 @@ prompts:
 Workloads: 64 prompts of 200-1200 tokens in one call, first after start-up (first call, best
 and median of 3); one request at a time at each of ``--lengths`` (time to first token,
 ``max_new_tokens=1``; the median of ``--repeats`` (5) fresh prompts up to 32K tokens, and the first;
-the plugin's rows time the same prompts dense in the same engine, and run the longest prompt at
-top-p 1.0 and dense per request and compare their 16 greedy tokens); 16 prompts of 2K-6K tokens
+the plugin's rows time the same prompts dense in the same engine, and, as workload ``top1``, run
+the longest prompt at top-p 1.0 and dense per request and compare their 16 greedy tokens); 16 prompts of 2K-6K tokens
 in one call (median of 3); a cached document of ``--doc-tokens`` with ``--follow-ups``
 questions of 100 tokens (each one's latency and their median: two engines of one configuration
 differed by up to a third on single follow-ups); decode inter-token latency after an 8K prompt;
@@ -25,7 +30,7 @@ differed by up to a third on single follow-ups); decode inter-token latency afte
 token on (no accidental cache hits), the same in every configuration.
 
     python benchmarks/defaults.py --model-path benchmarks/models/llama-3.1-8b \\
-        --configs stock defaults keep --out defaults_h200.json
+        --configs stock stock_flashinfer defaults top_p keep --out defaults_h100.json
 """
 
 from __future__ import annotations
@@ -41,14 +46,21 @@ import time
 
 CONFIGS = {
     "stock": {},
+    "stock_flashinfer": {"attention_backend": "flashinfer"},
     "defaults": {"enable_uniprefill": True},
     "staged": {"enable_uniprefill": True, "uniprefill_kv_layout": "staged"},
+    "top_p": {"enable_uniprefill": True, "uniprefill_top_p": 0.6},
     "keep": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8"},
     # The cost rule off: where a drop stops paying for itself (its break-even).
     "keep_every_step": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8",
                         "uniprefill_min_prompt_tokens": 0},
 }
-WORKLOADS = ("short", "single", "mid", "follow", "decode")
+WORKLOADS = ("short", "single", "top1", "mid", "follow", "decode")
+
+
+def is_stock(name: str) -> bool:
+    """A configuration served without the plugin."""
+    return not CONFIGS[name].get("enable_uniprefill")
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list:
@@ -106,7 +118,8 @@ def start_engine(name: str, args, lengths: list, cfg: dict):
         "context_length": needed}
     device = dict(device="cpu", attention_backend="torch_native", dtype="float32",
                   max_total_tokens=4 * max(lengths), disable_cuda_graph=True) \
-        if args.device == "cpu" else dict(attention_backend=args.attention_backend)
+        if args.device == "cpu" else ({} if args.attention_backend is None
+                                      else dict(attention_backend=args.attention_backend))
     return sglang.Engine(model_path=args.model_path, load_format="dummy", random_seed=0,
                          log_level="error", skip_tokenizer_init=True, **context, **device,
                          **CONFIGS[name],
@@ -139,7 +152,7 @@ class Workloads:
         self.rng = random.Random(args.seed)
         self.dense_rng = random.Random(args.seed + 1)
         self.todo = set(args.workloads.split(","))
-        self.plugin = result["config"] != "stock"
+        self.plugin = not is_stock(result["config"])
 
     def flush(self) -> None:
         from uniprefill_sglang.tools.cpu_engine import flush_cache
@@ -212,7 +225,7 @@ class Workloads:
                     rejoins.append(state.get("last_rejoin"))
                     allocs.append(state.get("device_allocs"))
                 self.between_singles()
-                if self.plugin and len(prompts) > 1:
+                if self.plugin and len(prompts) > 1 and self.args.dense_same_engine == "on":
                     # Under --between-singles none the cache holds `prompt`: a fresh one of
                     # the same length, from a generator of its own (the others' prompts stay).
                     again = prompt if self.args.between_singles == "flush" else _ids(
@@ -235,7 +248,7 @@ class Workloads:
             if dense_times:
                 row["dense_same_engine_s"] = _median(dense_times)
                 row["dense_same_engine_all_s"] = dense_times
-            if self.plugin and n == max(self.lengths):
+            if self.plugin and n == max(self.lengths) and "top1" in self.todo:
                 row["top_p_1"] = self.top_p_1_against_dense(prompts[-1])
             self.result["single"][str(n)] = row
             self.note_allocator(f"single_{n}")
@@ -352,7 +365,12 @@ def main() -> None:
                     help="between single requests: nothing (none, as a server runs: prompts "
                          "differ, nothing is reused) or SGLang's flush_cache, which also "
                          "empties torch's CUDA cache (flush, as runs before 2026-12-04 did)")
-    ap.add_argument("--attention-backend", default="flashinfer")
+    ap.add_argument("--attention-backend", default=None,
+                    help="every row's backend (default: none named, SGLang picks; the "
+                         "stock_flashinfer row names FlashInfer)")
+    ap.add_argument("--dense-same-engine", choices=("on", "off"), default="on",
+                    help="the plugin's rows also time each prompt dense in their own engine "
+                         "(off: the stock rows are the only dense ones)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-sizes", default="64,16",
                     help="prompts in the short (200-1200 tokens) and 2K-6K batches")
@@ -380,7 +398,7 @@ def main() -> None:
     for round_no, name in [(r, n) for r in range(args.rounds) for n in args.configs]:
         partial = f"{args.out}.{name}.{round_no}.partial.json"
         env = dict(os.environ)
-        if name == "stock":
+        if is_stock(name):
             env["SGLANG_PLUGINS"] = "none"
         mine = {**vars(args), **json.loads(args.per_config).get(name, {})}
         cmd = [sys.executable, os.path.abspath(__file__), "--model-path", args.model_path,
@@ -388,7 +406,8 @@ def main() -> None:
                "--workloads", mine["workloads"], "--follow-ups", str(args.follow_ups),
                "--repeats", str(args.repeats), "--long-repeats", str(args.long_repeats),
                "--between-singles", args.between_singles,
-               "--attention-backend", args.attention_backend, "--seed", str(args.seed),
+               *(["--attention-backend", args.attention_backend] if args.attention_backend
+                 else []), "--dense-same-engine", args.dense_same_engine, "--seed", str(args.seed),
                "--batch-sizes", args.batch_sizes, "--extra", args.extra, "--device", args.device,
                "--out", args.out, "--one-config", name, "--partial", partial]
         code = subprocess.call(cmd, env=env)
