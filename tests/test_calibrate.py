@@ -367,7 +367,12 @@ def _server_args(argv):
     load_plugins()
     from sglang.srt import server_args as sa
 
-    return sa.prepare_server_args(argv)
+    from uniprefill_sglang.patches import versions
+
+    args = sa.prepare_server_args(argv)
+    if not versions.resolves_when_built(type(args)):
+        args.resolve_once()  # 0.5.23: the launchers resolve after parsing
+    return args
 
 
 def test_server_args_pick_the_profile(smollm2_path, tmp_path):
