@@ -362,17 +362,9 @@ def test_a_bad_profile_names_the_flag(tmp_path):
 
 
 def _server_args(argv):
-    from sglang.srt.plugins import load_plugins
+    from launcher_args import launcher_server_args
 
-    load_plugins()
-    from sglang.srt import server_args as sa
-
-    from uniprefill_sglang.patches import versions
-
-    args = sa.prepare_server_args(argv)
-    if not versions.resolves_when_built(type(args)):
-        args.resolve_once()  # 0.5.23: the launchers resolve after parsing
-    return args
+    return launcher_server_args(argv)
 
 
 def test_server_args_pick_the_profile(smollm2_path, tmp_path):

@@ -195,12 +195,9 @@ def test_the_dropped_mass_bound_reaches_the_decision():
 
 
 def _prepare(argv):
-    from sglang.srt.plugins import load_plugins
+    from launcher_args import launcher_server_args
 
-    load_plugins()  # what `python -m sglang.launch_server` does first
-    from sglang.srt import server_args as sa
-
-    return sa.prepare_server_args(argv)
+    return launcher_server_args(argv)
 
 
 def test_cli_accepts_the_flags(smollm2_path):

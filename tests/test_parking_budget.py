@@ -1,14 +1,17 @@
 """Parking is admitted against the device memory its rejoin needs (parking.RejoinCost).
 
 A chunked prompt parks its earlier chunks' rows at the first drop layer and they go through
-every later layer with the final chunk in one step. On one H200 (Llama-3.1-8B shape, bf16,
-7.7-8.2 GiB free after start-up) a 131,000-token prompt fitted with keep 0.5 at the first drop
-and ran out of memory under top-p, where nearly every row rejoins: the cost model must admit
-the first and refuse the second, and a refused prompt says why.
+every later layer with the final chunk in one step, each sublayer over them in pieces of at most
+a chunk. On one H200 (Llama-3.1-8B shape, bf16, 7.7-8.2 GiB free after start-up), before the
+attention sublayers ran in pieces, a 131,000-token prompt fitted with keep 0.5 at the first drop
+and ran out of memory under top-p, where nearly every row rejoins. The count now holds one
+piece's attention instead of every row's; a refused prompt says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import random
 from types import SimpleNamespace
 
@@ -31,25 +34,51 @@ def _decision(keep=(), max_dropped_mass=None):
                            max_dropped_mass=max_dropped_mass)
 
 
+CHUNK = 8192  # SGLang's default chunked prefill on an 80 GB card: the rejoin's pieces
+
+
 def _lot(free_bytes, max_parked_tokens=1 << 20, **model):
     cost = RejoinCost.for_model(**{**LLAMA_8B, **model}, device="cpu")
-    lot = ParkingLot(max_parked_tokens,
-                     RejoinCost(cost.parked_row_bytes, cost.rejoin_row_bytes, lambda: free_bytes))
+    lot = ParkingLot(max_parked_tokens, dataclasses.replace(cost, free_bytes=lambda: free_bytes))
     lot.enabled = True
+    lot.piece_rows = CHUNK
     return lot
 
 
-def test_the_h200_observation_is_admitted_and_refused_as_it_ran():
-    tokens = 131_000
-    keep_half = rejoin_bound(CONFIG, _decision((0.5, 0.8)), tokens)
-    assert keep_half < 0.51 * tokens
-    assert _lot(7.7 * GiB).reserve("keep", tokens, 0, keep_half)
-    top_p = _lot(8.2 * GiB)
-    assert not top_p.reserve("top-p", tokens, 0, rejoin_bound(CONFIG, _decision(), tokens))
-    assert "GiB of device memory" in top_p.refused["top-p"]
-    assert "is free" in top_p.refused["top-p"]
-    # A 32K prompt under top-p parks in the same memory.
+def test_a_128k_top_p_rejoin_is_counted_per_row_stream_and_one_piece():
+    """Llama-3.1-8B shape: a parked row is 16 KiB (hidden state and residual), a rejoining row
+    32 KiB (four hidden-size rows: the layer's input, the attention output, the residual, the
+    MLP's output), one piece of 8,192 rows' attention 288 MiB. A whole context of 131,072 tokens
+    under top-p, every row rejoining, is counted at 7.85 GiB with headroom: admitted with the
+    8.7 GiB an H100 had free at SGLang's default memory fraction (issue 57), refused with the
+    7.7 GiB of the H200 above. These are counts; the rejoin's peak is measured on a GPU."""
+    cost = RejoinCost.for_model(**LLAMA_8B, device="cpu")
+    assert (cost.parked_row_bytes, cost.rejoin_row_bytes) == (16 * 1024, 32 * 1024)
+    assert cost.piece_row_bytes == (4096 + 3 * 4096) * 2 + 2 * 8 * 128 * 2
+    tokens = 131_072
+    need = cost.need(tokens, tokens, CHUNK)
+    assert need == int((tokens * 48 * 1024 + CHUNK * 36 * 1024) * 1.25)
+    assert 7.8 * GiB < need < 7.9 * GiB
+    assert _lot(8.7 * GiB).reserve("top-p", tokens, 0, rejoin_bound(CONFIG, _decision(), tokens))
+    refused = _lot(7.7 * GiB)
+    assert not refused.reserve("top-p", tokens, 0, None)
+    assert "GiB of device memory" in refused.refused["top-p"]
+    assert "is free" in refused.refused["top-p"]
+    # Keep 0.5 at the first drop (it fitted the H200 before the attention ran in pieces) and a
+    # 32K prompt under top-p park in that memory.
+    keep_half = rejoin_bound(CONFIG, _decision((0.5, 0.8)), 131_000)
+    assert keep_half < 0.51 * 131_000
+    assert _lot(7.7 * GiB).reserve("keep", 131_000, 0, keep_half)
     assert _lot(7.0 * GiB).reserve("32k", 32_768, 0, None)
+
+
+def test_without_chunks_the_whole_rejoin_is_one_piece():
+    cost = RejoinCost.for_model(**LLAMA_8B, device="cpu")
+    assert cost.count(0, 10_000) == 10_000 * (cost.rejoin_row_bytes + cost.piece_row_bytes)
+    assert cost.count(0, 10_000, 20_000) == cost.count(0, 10_000)
+    assert cost.count(5, 10_000, 256) == (5 * cost.parked_row_bytes
+                                          + 10_000 * cost.rejoin_row_bytes
+                                          + 256 * cost.piece_row_bytes)
 
 
 # Qwen3-Next-80B-A3B: hidden 2048, 16 gated query heads of 256 (2 KV heads); its Gated DeltaNet
@@ -64,7 +93,7 @@ def test_a_linear_attention_rejoin_is_priced_at_its_pieced_peak():
     131,000-token prompt at keep 0.5 took 3.98 GB above the step's start at their peak: the
     price must cover that and stay under the three times the projections that held before the
     mixer ran in pieces (which refused that prompt with 7.6 GiB free). Attention's count alone
-    (43.0 KB a row) would not cover it."""
+    (20.5 KB a row, its sublayer in pieces) would not cover it."""
     tokens, rows, peak = 131_000, 65_792, 3_976_830_976
     as_mixer = RejoinCost.for_model(**QWEN3_NEXT, device="cpu", mixer_size=QWEN3_NEXT_MIXER)
     assert peak <= rows * as_mixer.rejoin_row_bytes < 1.1 * peak
@@ -98,11 +127,15 @@ def test_need_counts_parked_and_rejoining_rows_on_fresh_shapes():
         cost = RejoinCost.for_model(hidden, query, kv, dtype, device="cpu", mixer_size=mixer)
         act = torch.empty((), dtype=dtype).element_size()
         parked, rejoin = rng.randrange(0, 200_000), rng.randrange(0, 200_000)
-        # The costlier layer kind: attention, or (where there is one) the mixer layer.
-        row = max((4 * hidden + 3 * query) * act + kv,
+        piece_rows = rng.choice((0, 256, 8192))
+        # The costlier layer kind: attention's residual stream (or a drop layer's queries), or
+        # (where there is one) the mixer layer; and one piece of attention.
+        row = max(4 * hidden * act, (3 * hidden + query) * act,
                   (4 * hidden + mixer) * act if mixer else 0)
-        count = parked * 2 * hidden * act + rejoin * row
-        assert cost.need(parked, rejoin) == int(count * (1 + RejoinCost.HEADROOM))
+        piece = min(rejoin, piece_rows) if piece_rows else rejoin
+        count = (parked * 2 * hidden * act + rejoin * row
+                 + piece * ((hidden + 3 * query) * act + kv))
+        assert cost.need(parked, rejoin, piece_rows) == int(count * (1 + RejoinCost.HEADROOM))
         assert cost.free_bytes() is None  # nothing bounds the CPU engine
 
 
@@ -124,3 +157,21 @@ def test_free_memory_is_read_on_a_gpu():
     cost = RejoinCost.for_model(**LLAMA_8B, device="cuda")
     free = cost.free_bytes()
     assert 0 < free <= torch.cuda.mem_get_info()[1]
+
+
+def test_the_token_budget_follows_the_context_length_unless_set():
+    """Unset, `--uniprefill-max-parked-tokens` leaves the budget to the runtime, which takes the
+    longest sequence the server's request table holds (runtime.py); a value given is kept, 0
+    disables parking, a negative one is refused."""
+    from uniprefill_sglang.config import UniPrefillConfigError, build_config
+    from uniprefill_sglang.server_args import UniPrefillServerArgs
+
+    knobs = dict(top_p=None, keep_ratio=None, block_size=None, sink_tokens=None,
+                 last_queries=None, drop_layers=None, min_prompt_tokens=0)
+    flags = inspect.signature(UniPrefillServerArgs).parameters
+    assert flags["uniprefill_max_parked_tokens"].default is None
+    assert build_config(**knobs).max_parked_tokens is None
+    assert build_config(**knobs, max_parked_tokens=4096).max_parked_tokens == 4096
+    assert build_config(**knobs, max_parked_tokens=0).max_parked_tokens == 0
+    with pytest.raises(UniPrefillConfigError, match="max-parked-tokens must be >= 0"):
+        build_config(**knobs, max_parked_tokens=-1)

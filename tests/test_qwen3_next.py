@@ -211,16 +211,16 @@ def test_nothing_left_behind(runs):
 def test_parking_is_priced_at_the_costlier_layer_kind(runs):
     """A rejoining row costs what the costlier layer kind holds alive (parking.RejoinCost): the
     GDN layer (hidden state, residual, norm output and its projections once: q/k/v/z, b/a, the
-    convolution, the output; the mixer runs in pieces) or the attention layer (its q/k/v
-    projection, two partial outputs and KV row). float32 on the CPU engine."""
+    convolution, the output; the mixer runs in pieces) or the attention layer (its rows'
+    residual stream, or a drop layer's queries; the sublayer runs in pieces). float32 on the CPU
+    engine."""
     c = CONFIG
     keys, values = (c["linear_num_key_heads"] * c["linear_key_head_dim"],
                     c["linear_num_value_heads"] * c["linear_value_head_dim"])
     projections = ((2 * keys + 2 * values) + 2 * c["linear_num_value_heads"]
                    + (2 * keys + values) + c["hidden_size"])
     query = c["num_attention_heads"] * c["head_dim"]
-    kv_row = 2 * c["num_key_value_heads"] * c["head_dim"] * 4
-    attention = (4 * c["hidden_size"] + 3 * query) * 4 + kv_row
+    attention = max(4 * c["hidden_size"], 3 * c["hidden_size"] + query) * 4
     assert runs["state"]["rejoin_row_bytes"] == max(attention,
                                                     (4 * c["hidden_size"] + projections) * 4)
 

@@ -1,9 +1,10 @@
 """Parked rows rejoining at the final chunk, on the real SmolLM2 and SGLang's CPU engine.
 
 Scaled down from a 128K prompt in 8K chunks: 256-token chunks, prompts of 1-1.4K tokens (four
-to six chunks), drop layers 4 and 12. Bounded rejoin: the final chunk's MLPs run in pieces of
-at most a chunk while the earlier chunks' rows are in the step, and the kept positions equal
-the unchunked run's; at top-p 1.0 the answer is dense's. Honest recovery: a fault after the
+to six chunks), drop layers 4 and 12. Bounded rejoin: the final chunk's MLPs and attention
+sublayers run in pieces of at most a chunk while the earlier chunks' rows are in the step (the
+second drop layer's too), and the kept positions equal the unchunked run's; at top-p 1.0 the
+answer is dense's. Honest recovery: a fault after the
 parked rows rejoined re-prefills the prompt dense (every later layer then holds every token,
 read from the device slot map), and a fault that the dense re-run hits too fails the request
 with an error instead of answering from incomplete KV.
@@ -11,12 +12,15 @@ with an error instead of answering from incomplete KV.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 
-from uniprefill_sglang.tools.cpu_engine import flush_cache, idle_state, make_cpu_engine
+from uniprefill_sglang.tools.cpu_engine import (flush_cache, idle_state, make_cpu_engine,
+                                                 uniprefill_state)
 
 pytestmark = pytest.mark.engine
 os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
@@ -39,6 +43,14 @@ def _run(engine, prompt, **knobs):
     return out["output_ids"], out["meta_info"]["uniprefill"][-1]
 
 
+def _runs(engine, out, name, **knobs):
+    """Each prompt's run as `_run`, under `name`, and the rejoin it recorded (None: none yet)."""
+    out[name], out[name + "_rejoins"] = [], []
+    for p in _prompts():
+        out[name].append(_run(engine, p, **knobs))
+        out[name + "_rejoins"].append(uniprefill_state(engine)["last_rejoin"])
+
+
 @pytest.fixture(scope="module")
 def kept_runs(smollm2_path):
     before = os.environ.get("UNIPREFILL_REPORT_KEPT")  # other modules set it at import
@@ -48,9 +60,9 @@ def kept_runs(smollm2_path):
         for name, extra in (("chunked", CHUNKED), ("unchunked", {})):
             engine = make_cpu_engine(smollm2_path, **COMMON, **extra)
             try:
-                out[name] = [_run(engine, p, uniprefill_keep_ratio=0.5) for p in _prompts()]
+                _runs(engine, out, name, uniprefill_keep_ratio=0.5)
                 if name == "chunked":
-                    out["top_p_1"] = [_run(engine, p, uniprefill_top_p=1.0) for p in _prompts()]
+                    _runs(engine, out, "top_p_1", uniprefill_top_p=1.0)
                     out["dense"] = [_run(engine, p, uniprefill=False) for p in _prompts()]
                 out[name + "_idle"] = idle_state(engine)
             finally:
@@ -78,6 +90,25 @@ def test_rejoin_runs_its_mlps_in_pieces_of_a_chunk(kept_runs):
     assert chunked["pieced_mlp_calls"] > 0
     assert unchunked["pieced_mlp_calls"] == 0  # no limit without chunking
     assert chunked["parked_requests"] == 0
+
+
+def test_rejoin_runs_its_attention_in_pieces_of_a_chunk(kept_runs, smollm2_path):
+    """Every attention sublayer after the first drop (layers 5-29 of SmolLM2's 30, the second drop
+    layer's included) runs the rejoining rows in pieces: at top-p 1.0 all of them, with every row
+    kept; at keep 0.5 at least those before the second drop, with half the rows."""
+    layers = json.loads((Path(smollm2_path) / "config.json").read_text())["num_hidden_layers"]
+    after_first_drop = layers - 1 - 4
+    numbers = []
+    for rejoin, prompt in zip(kept_runs["top_p_1_rejoins"], _prompts()):
+        assert rejoin["rows"] == len(prompt)
+        assert rejoin["pieced_attention_calls"] == after_first_drop
+        assert rejoin["peak_bytes"] is None  # measured on a GPU only
+        numbers.append(rejoin["number"])
+    for rejoin in kept_runs["chunked_rejoins"]:
+        assert CHUNK < rejoin["rows"] and 12 - 4 <= rejoin["pieced_attention_calls"]
+        numbers.append(rejoin["number"])
+    assert sorted(numbers) == list(range(1, 5))  # one rejoin per run
+    assert kept_runs["unchunked_idle"]["last_rejoin"] is None  # no chunks, no rejoin
 
 
 def test_chunked_top_p_one_answers_as_dense(kept_runs):

@@ -33,9 +33,6 @@ DEFAULT_TOP_P = 0.99
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SINK_TOKENS = 128
 DEFAULT_LAST_QUERIES = 128
-# Hidden state parked between the chunks of a chunked prefill (see runtime.py): 2 vectors of
-# hidden_size per token (Llama-3.1-8B, bf16: 16 KiB/token, 2 GiB at 128K tokens).
-DEFAULT_MAX_PARKED_TOKENS = 131072
 # What a request that hits a cached prefix does with the prefix's selection (prefix_reuse.py).
 PREFIX_POLICIES = ("verify", "reselect", "reuse-sparse", "dense-prefix")
 DEFAULT_PREFIX_POLICY = "verify"
@@ -200,7 +197,10 @@ class UniPrefillConfig:
     # None: the per-architecture default, resolved once the depth is known.
     drop_layers: Optional[tuple[int, ...]] = None
     min_prompt_tokens: int = 0
-    max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS
+    # Most tokens parked between the chunks of a chunked prefill (parking.py), 2 vectors of
+    # hidden_size each (Llama-3.1-8B, bf16: 16 KiB a token, 2 GiB at 128K tokens); None: the
+    # longest prompt the server holds (runtime.py), the device memory bounding it on a GPU.
+    max_parked_tokens: Optional[int] = None
     # The profile that supplied the knobs no flag set (None: none).
     profile: Optional[str] = None
     prefix_policy: str = DEFAULT_PREFIX_POLICY
@@ -259,7 +259,7 @@ def build_config(
     last_queries: Optional[int],
     drop_layers,
     min_prompt_tokens: int,
-    max_parked_tokens: int = DEFAULT_MAX_PARKED_TOKENS,
+    max_parked_tokens: Optional[int] = None,
     profile: Optional[Profile] = None,
     prefix_policy: str = DEFAULT_PREFIX_POLICY,
     kv_layout: Optional[str] = DEFAULT_KV_LAYOUT,
@@ -288,7 +288,9 @@ def build_config(
     _check_minimum("--uniprefill-last-queries", last_queries, 1)
     _check_minimum("--uniprefill-neighbor-blocks", neighbor_blocks, 0)
     _check_minimum("--uniprefill-min-prompt-tokens", min_prompt_tokens, 0)
-    _check_minimum("--uniprefill-max-parked-tokens", max_parked_tokens, 0, " (0 disables parking)")
+    if max_parked_tokens is not None:
+        _check_minimum("--uniprefill-max-parked-tokens", max_parked_tokens, 0,
+                       " (0 disables parking)")
     _check_choice("--uniprefill-prefix-policy", prefix_policy, PREFIX_POLICIES)
     fractions = parse_fractions(stage_kv_fraction, "--uniprefill-stage-kv-fraction")
     if kv_layout is None:
@@ -309,7 +311,7 @@ def build_config(
         neighbor_blocks=int(neighbor_blocks),
         drop_layers=layers,
         min_prompt_tokens=int(min_prompt_tokens),
-        max_parked_tokens=int(max_parked_tokens),
+        max_parked_tokens=None if max_parked_tokens is None else int(max_parked_tokens),
         profile=None if profile is None else profile.path,
         prefix_policy=prefix_policy,
         kv_layout=kv_layout,

@@ -67,6 +67,8 @@ class DropContext:
     # Rows [start, end) of the current survivors that a layer run in pieces is running now
     # (model_integration.py); None: the whole batch.
     row_piece: Optional[Tuple[int, int]] = None
+    # Attention sublayers that ran in pieces in this forward (a rejoin reports it).
+    pieced_attention_calls: int = 0
 
     @property
     def acts(self) -> bool:
@@ -165,7 +167,9 @@ class DropContext:
             hidden_states = torch.cat([hidden_states, self.extra_hidden])
             residual = torch.cat([residual, self.extra_residual])
             self.extra_hidden = self.extra_residual = None
-        return hidden_states.index_select(0, rows), residual.index_select(0, rows)
+            return hidden_states.index_select(0, rows), residual.index_select(0, rows)
+        # No row spliced in: the rows ascend (each drop keeps rows in order).
+        return gather_in_place(hidden_states, rows), gather_in_place(residual, rows)
 
     def finish_pending(self) -> None:
         self.pending_rows = None
@@ -214,6 +218,26 @@ class DropReport:
         if self.kept_digest:  # UNIPREFILL_REPORT_KEPT=1
             entry["kept_digest"] = [stage[b] for stage in self.kept_digest]
         return entry
+
+
+# Rows a gather in place copies at a time (its temporary).
+GATHER_STEP_ROWS = 4096
+
+
+def gather_in_place(x: torch.Tensor, rows: torch.Tensor,
+                    step: int = GATHER_STEP_ROWS) -> torch.Tensor:
+    """x[rows] for strictly ascending `rows`, written over x's first rows and returned as a view
+    of them: the gather to a drop's survivors without a second copy of every row (a rejoin's
+    rows are held once, beside a temporary of `step` rows). In place is safe: the rows a step
+    reads are at or past the first row it writes, and past every row written before it. A
+    tensor that is not contiguous is gathered to a new one."""
+    if not x.is_contiguous():
+        return x.index_select(0, rows)
+    k = rows.shape[0]
+    for start in range(0, k, step):
+        end = min(k, start + step)
+        x[start:end] = x.index_select(0, rows[start:end])
+    return x[:k]
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:

@@ -93,6 +93,11 @@ DECODE_GRAPH_ENTRIES = Text(
     "worth, at most upstream's width); a decode batch whose lists hold more runs eagerly")
 
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
+FLASHINFER_PAGED_TEMPLATE = Choice(
+    "UNIPREFILL_FLASHINFER_PAGED_TEMPLATE",
+    "'fa2' keeps SGLang's FA2 template for FlashInfer's eager paged prefill wrappers (default: "
+    "FlashInfer's own choice per plan, FA3 on Hopper; backends/flashinfer_template.py)",
+    ("fa2", "auto"))
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")
 SGL_KERNEL_STUB_DIR = Text(
     "UNIPREFILL_SGL_KERNEL_STUB_DIR", "folder holding the test-only sgl_kernel stand-in")
@@ -102,5 +107,5 @@ CPU_ENGINE = Text(
     "the CPU engine when CUDA is absent)")
 
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
-       TEST_SELECTION, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES,
+       TEST_SELECTION, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES, FLASHINFER_PAGED_TEMPLATE,
        CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

@@ -13,9 +13,11 @@ inputs of each family. Three per-instance wrappers are enough:
     that still have the pre-drop row count.
 The first drop layer's residual norm also saves every row's residual stream for prefix
 re-selection (prefix_checkpoint.py). From the first drop layer on, the MLP (and after it a
-linear-attention layer's mixer, in position order) runs in pieces of at most the chunk size
-while the batch is compacted: the rows of earlier chunks that rejoin at the final chunk's first
-drop must not make a step's activations there larger than a chunk's.
+linear-attention layer's mixer, in position order, and an attention layer's attention sublayer,
+in row order) runs in pieces of at most the chunk size while the batch is compacted: the rows
+of earlier chunks that rejoin at the final chunk's first drop must not make a step's
+activations there larger than a chunk's. Beyond the rows' hidden state and residual (and, at a
+drop layer, the queries its drop scores with) a step then holds one piece's activations.
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ def _save_checkpoint(runtime, ctx, hidden_states, residual) -> None:
 
 
 def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
+    """Drop right after the layer's attention; where the layer runs in pieces (never the first
+    drop layer), after the last piece's."""
     original = attn.forward
 
     @functools.wraps(original)
@@ -196,10 +200,29 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
         out = original(q, k, v, forward_batch, *args, **kwargs)
         ctx = current()
         if ctx is not None and ctx.acts:
-            drop(runtime, ctx, attn, q_rows)
+            queries = q_rows if ctx.row_piece is None else _gather_queries(ctx, attn, q_rows)
+            if queries is not None:
+                drop(runtime, ctx, attn, queries)
         return out
 
     attn.forward = forward
+
+
+def _gather_queries(ctx, attn, q_rows):
+    """A drop layer run in pieces: its queries of every survivor, gathered piece by piece and
+    returned complete at the last piece (None before). The drop reads each request's last
+    queries by row (drop.py), so the layer holds a query row per survivor until it has run."""
+    start, end = ctx.row_piece
+    total = ctx.positions.shape[0]
+    gathered = ctx.views.setdefault("drop_queries", {})
+    queries = gathered.get(attn.layer_id)
+    if queries is None:
+        queries = gathered[attn.layer_id] = q_rows.new_empty((total, q_rows.shape[1]))
+    queries[start:end] = q_rows
+    if end < total:
+        return None
+    del gathered[attn.layer_id]
+    return queries
 
 
 def _wrap_mlp(mlp: nn.Module, runtime) -> None:
@@ -215,23 +238,28 @@ def _wrap_mlp(mlp: nn.Module, runtime) -> None:
         if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
             return original(hidden_states, *args, **kwargs)
         runtime.pieced_mlp_calls += 1
-        return _in_pieces(original, hidden_states, piece_rows, args, kwargs)
+        return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
+                          n, piece_rows)
 
     mlp.forward = forward
 
 
-def _in_pieces(original, hidden_states, piece_rows: int, args, kwargs, ctx=None):
-    """original(rows, *args, **kwargs) over consecutive pieces of at most `piece_rows` rows,
-    written into one output; each piece's rows are named on `ctx.row_piece` while it runs."""
-    n, out = hidden_states.shape[0], None
-    for start in range(0, n, piece_rows):
-        end = min(n, start + piece_rows)
+def _in_pieces(run, n: int, piece_rows: int, ctx=None):
+    """run(start, end) over consecutive pieces of at most `piece_rows` of `n` rows, written into
+    one output; with `ctx`, each piece's rows are named on `ctx.row_piece` while it runs."""
+    out = None
+    try:
+        for start in range(0, n, piece_rows):
+            end = min(n, start + piece_rows)
+            if ctx is not None:
+                ctx.row_piece = (start, end)
+            piece = run(start, end)
+            if out is None:
+                out = piece.new_empty((n,) + tuple(piece.shape[1:]))
+            out[start:end] = piece
+    finally:
         if ctx is not None:
-            ctx.row_piece = (start, end)
-        piece = original(hidden_states[start:end], *args, **kwargs)
-        if out is None:
-            out = piece.new_empty((n,) + tuple(piece.shape[1:]))
-        out[start:end] = piece
+            ctx.row_piece = None
     return out
 
 
@@ -251,12 +279,72 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime) -> None:
                 or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
         runtime.pieced_mixer_calls += 1
-        try:
-            return _in_pieces(original, hidden_states, runtime.piece_rows, args, kwargs, ctx)
-        finally:
-            ctx.row_piece = None
+        return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
+                          n, runtime.piece_rows, ctx)
 
     mixer.forward = forward
+
+
+# The attention sublayer of a decoder layer (projections, RadixAttention, output projection): a
+# module (Llama, Qwen2/3, Gemma 3, LFM2) or a method of the layer (Qwen3-Next).
+_ATTENTION_SUBLAYERS = ("self_attn", "self_attention")
+# Its per-row inputs and the dimension that holds their rows (positions are [n] or Gemma 3's
+# [1, n]; Gemma 3's RoPE cos/sin [1, n, D]).
+_ROW_INPUTS = {"hidden_states": 0, "positions": -1, "position_embeddings": -2}
+
+
+def _attention_sublayer(layer: nn.Module, attn: nn.Module):
+    """(owner, attribute) of what runs `layer`'s attention sublayer around `attn`, or None."""
+    for name in _ATTENTION_SUBLAYERS:
+        sub = getattr(layer, name, None)
+        if isinstance(sub, nn.Module):
+            if any(m is attn for m in sub.modules()):
+                return sub, "forward"
+        elif callable(sub):
+            return layer, name
+    return None
+
+
+def _rows(value, dim: int, start: int, end: int):
+    """Rows [start, end) of a per-row input along `dim` (each tensor of a tuple)."""
+    if isinstance(value, torch.Tensor):
+        return value.narrow(dim, start, end - start)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, dim, start, end) for v in value)
+    return value
+
+
+def _wrap_attention(owner, name: str, runtime) -> None:
+    """An attention sublayer after the first drop over at most `runtime.piece_rows` survivors at
+    a time, in row order, while the batch is compacted: per piece its projections, KV write,
+    attention and output projection. The drop context's `row_piece` tells the layer's backend
+    adapter which rows run (backends/common.py `row_piece`): a piece's queries attend to the
+    stage's valid prefix, their request's rows in earlier pieces (whose KV those pieces wrote)
+    and, causally, the piece's own rows, which is what the whole sublayer's would see."""
+    original = getattr(owner, name)
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        ctx = current()
+        hidden_states = signature.bind(*args, **kwargs).arguments.get("hidden_states")
+        if (ctx is None or not ctx.is_extend or not ctx.compacted
+                or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2
+                or hidden_states.shape[0] <= runtime.piece_rows
+                or hidden_states.shape[0] != ctx.positions.shape[0]):
+            return original(*args, **kwargs)
+        ctx.pieced_attention_calls += 1
+
+        def run(start, end):
+            piece = signature.bind(*args, **kwargs)
+            for arg, dim in _ROW_INPUTS.items():
+                if arg in piece.arguments:
+                    piece.arguments[arg] = _rows(piece.arguments[arg], dim, start, end)
+            return original(*piece.args, **piece.kwargs)
+
+        return _in_pieces(run, hidden_states.shape[0], runtime.piece_rows, ctx)
+
+    setattr(owner, name, forward)
 
 
 def install(model: nn.Module, runtime, architecture) -> bool:
@@ -284,6 +372,10 @@ def install(model: nn.Module, runtime, architecture) -> bool:
         mixer = getattr(layer, shape.linear_mixer, None) if shape.linear_mixer else None
         if i > first and isinstance(mixer, nn.Module) and runtime.piece_rows > 0:
             _wrap_linear_mixer(mixer, runtime)
+        attn = _find_radix_attention(layer) if i > first and runtime.piece_rows > 0 else None
+        sublayer = _attention_sublayer(layer, attn) if attn is not None else None
+        if sublayer is not None:
+            _wrap_attention(*sublayer, runtime)
     for layer, attn in attending:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]

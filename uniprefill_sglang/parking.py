@@ -11,9 +11,10 @@ layers, so they must not be shared meanwhile: patches/radix_cache.py keeps them 
 radix tree until the whole prompt is prefilled.
 
 Parking is decided at a request's first chunk (`ParkingLot.reserve`): the rest of the prompt
-must fit `--uniprefill-max-parked-tokens` and, on a GPU, the device memory free then
-(`RejoinCost`): the parked rows are held until the final chunk, and the rows that rejoin there
-go through every later layer in one step. A prompt refused parking runs its earlier chunks as
+must fit `--uniprefill-max-parked-tokens` (unset: the longest prompt the server holds) and, on
+a GPU, the device memory free then (`RejoinCost`): the parked rows are held until the final
+chunk, and the rows that rejoin there go through every later layer in one step, each sublayer
+over them in pieces of at most the chunk size. A prompt refused parking runs its earlier chunks as
 stock SGLang does and drops among its final chunk's tokens only, so no prompt that stock SGLang
 serves runs out of memory in the rejoin.
 """
@@ -68,7 +69,7 @@ class ParkingStep:
     to the lot, the runtime settles it when the forward ends or rolls it back when it failed."""
     # rid -> (ParkedRows, count) when the forward began (a failed forward is rolled back to it).
     before: Dict[str, tuple] = dataclasses.field(default_factory=dict)
-    # Do parked rows rejoin in this forward although no request drops (a dense final chunk)?
+    # Do parked rows rejoin in this forward (also where no request drops: a dense final chunk)?
     rejoins: bool = False
     parked_now: List[int] = dataclasses.field(default_factory=list)  # requests parking now
     to_park: List[tuple] = dataclasses.field(default_factory=list)  # (rid, rows tensor)
@@ -89,73 +90,94 @@ def start_peak_measure(step: ParkingStep, device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def rejoin_record(ctx, cost: Optional["RejoinCost"], previous: Optional[dict]) -> dict:
-    """What a rejoining forward (`ctx`, a DropContext whose peak measure started) took: its
-    number (counting from 1), rows through the first later layer, bytes allocated above its
-    start at the peak, and what `cost` counts for those rows (headroom left out)."""
+def rejoin_record(ctx, cost: Optional["RejoinCost"], previous: Optional[dict],
+                  piece_rows: int = 0) -> dict:
+    """What a rejoining forward (`ctx`, a DropContext) took: its number (counting from 1), rows
+    through the first later layer, its attention sublayers run in pieces, what `cost` counts for
+    those rows (headroom and the parked rows, allocated before the step, left out) and, on a GPU
+    (where its peak measure started), the bytes allocated above its start at the peak."""
     after_first_drop = ctx.report.kept[min(1, len(ctx.report.kept) - 1)]
     rows = sum(after_first_drop[b] for b, d in enumerate(ctx.plan.decisions)
                if d.rid in ctx.parking.finished)
-    peak = (torch.cuda.max_memory_allocated(ctx.out_cache_loc.device)
-            - ctx.parking.allocated_at_start)
+    peak = None
+    if ctx.parking.allocated_at_start is not None:
+        peak = int(torch.cuda.max_memory_allocated(ctx.out_cache_loc.device)
+                   - ctx.parking.allocated_at_start)
     return {"number": previous["number"] + 1 if previous else 1, "rows": int(rows),
-            "peak_bytes": int(peak),
-            "priced_bytes": rows * cost.rejoin_row_bytes if cost is not None else None}
+            "pieced_attention_calls": ctx.pieced_attention_calls, "peak_bytes": peak,
+            "priced_bytes": cost.count(0, rows, piece_rows) if cost is not None else None}
 
 
 @dataclasses.dataclass(frozen=True)
 class RejoinCost:
     """The device memory a chunked prompt's parking and rejoin take, against what is free.
 
-    `parked_row_bytes`: one parked row between chunks (hidden state and residual).
-    `rejoin_row_bytes`: one row of the final chunk's step in a layer after the first drop, where
-    every rejoining row is alive at once, in the costlier of the model's layer kinds (the MLP
-    runs in pieces of a chunk, model_integration.py):
-    * an attention layer: hidden state, residual and the norm's output, the q/k/v projection,
-      the attention's two partial outputs, the output projection;
+    Counted from the code, not measured (a GPU's peak is reported beside the count,
+    `rejoin_record`):
+    `parked_row_bytes`: one parked row (hidden state and residual), held from its chunk to the
+    end of the step it rejoins in.
+    `rejoin_row_bytes`: one rejoining row in a layer after the first drop, where every rejoining
+    row is alive at once, in the costlier of the model's layer kinds. There every sublayer runs
+    over the rows in pieces of at most `piece_rows` (the chunk size, model_integration.py), so
+    what a row holds is the residual stream:
+    * an attention layer: the layer's input, the attention sublayer's output (the MLP's input),
+      the residual and the MLP's output; at a drop layer, until its drop has run, a query row
+      (drop.py reads each request's last queries by row) in place of the MLP's output. The drop
+      gathers hidden state and residual to the survivors in place (context.py), without a
+      second copy of either;
     * a linear-attention or short-convolution layer (`mixer_size`: the outputs per token of its
       projections, its convolution's included): hidden state, residual and norm output, and its
-      projections once. The mixer runs in pieces of a chunk (model_integration.py), so its
-      kernels' outputs and workspace are a piece's, not every rejoining row's.
+      projections once.
+    `piece_row_bytes`: one row of an attention sublayer's piece (its q/k/v projection, the
+    attention's two partial outputs, the output projection); `count` adds one piece of at most
+    `piece_rows` rows. Not counted: an MLP's or a mixer's piece (the MLP's intermediate width is
+    not read here), which a chunked step of stock SGLang holds as well; `HEADROOM` is what
+    covers it.
     `free_bytes()`: device memory available now, None where nothing bounds it (the CPU engine).
-    On one H200 (Llama-3.1-8B shape, 7.7 GiB free after start-up) a 131,000-token prompt with
-    half its rows rejoining fitted and with every row rejoining ran out of memory; this count
-    admits the first and refuses the second. On one H200 (Qwen3-Next-80B-A3B shape with 128
-    experts) 66K rejoining rows ran out of memory in a Gated DeltaNet layer, before its
-    recurrence, when the mixer took every row at once (7.6 GiB free); in pieces of 8,192 rows
-    (2026-12-04) 65,792 rejoining rows took 3.98 GB above the step's start at their peak, 60.4 KB
-    a row, against 61.6 KB priced here (attention's count, 43.0 KB, misses the gate half of its
-    gated query projection; the mixer's count covers it). With `HEADROOM`, a 131K Qwen3-Next
-    prompt whose every row would rejoin (top-p) is refused at the default memory fraction (9.9
-    GiB free) and admitted at 0.85 (17.3 GiB), where no such rejoin has been measured yet. The
-    runtime reports each rejoin's measured peak beside its count (`last_rejoin` in the
-    scheduler's state). The count is per row: a piece's own activations (at most a chunk's, as
-    in any chunked step of stock SGLang) are in that measurement, spread over 65,792 rows; a
-    rejoin of a few hundred rows measures above its count (LFM2's GPU test: 592 rows, 6.6 KB a
-    row against 4.1 counted), where memory never bounds it."""
+
+    Measured before the attention sublayers ran in pieces (each then took every rejoining row,
+    and an attention row was counted with its projections, partial outputs and KV): on one H200
+    (Llama-3.1-8B shape, 7.7 GiB free after start-up) a 131,000-token prompt with half its rows
+    rejoining fitted and with every row rejoining ran out of memory. On one H200 (Qwen3-Next-80B-
+    A3B shape with 128 experts) 66K rejoining rows ran out of memory in a Gated DeltaNet layer,
+    before its recurrence, when the mixer took every row at once (7.6 GiB free); in pieces of
+    8,192 rows (2026-12-04) 65,792 rejoining rows took 3.98 GB above the step's start at their
+    peak, 60.4 KB a row, against 61.6 KB counted by the mixer's count, which this one keeps
+    (that step's attention was not yet in pieces; the mixer's count covered it). No rejoin with
+    attention in pieces has been measured yet. A rejoin of a few hundred rows measures above its
+    count (LFM2's GPU test: 592 rows, 6.6 KB a row against 4.1 counted), where memory never
+    bounds it."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
+    piece_row_bytes: int = 0
     # What a rejoin must leave free beyond its count, as a fraction of it: the count is of
-    # allocations at the peak, measured on one shape, not of the allocator's blocks around
-    # them, and parked chunks are concatenated once as they rejoin.
+    # allocations at the peak, not of the allocator's blocks around them, nor of an MLP's piece,
+    # and parked chunks are concatenated once as they rejoin.
     HEADROOM = 0.25
 
     @classmethod
     def for_model(cls, hidden_size: int, query_size: int, kv_row_bytes: int, dtype, device,
                   mixer_size: int = 0):
+        """`kv_row_bytes`: the K and V of one token in one layer (a piece's k/v projection)."""
         act = torch.empty((), dtype=dtype).element_size()
         free = _cuda_free_bytes(device) if torch.device(device).type == "cuda" else _no_bound
-        attention_row = (4 * hidden_size + 3 * query_size) * act + kv_row_bytes
+        attention_row = max(4 * hidden_size, 3 * hidden_size + query_size) * act
         mixer_row = (4 * hidden_size + mixer_size) * act if mixer_size else 0
         return cls(parked_row_bytes=2 * hidden_size * act,
-                   rejoin_row_bytes=max(attention_row, mixer_row), free_bytes=free)
+                   rejoin_row_bytes=max(attention_row, mixer_row), free_bytes=free,
+                   piece_row_bytes=(hidden_size + 3 * query_size) * act + kv_row_bytes)
 
-    def need(self, parked_rows: int, rejoin_rows: int) -> int:
-        """Bytes counted for `parked_rows` parked and `rejoin_rows` rejoining, headroom
-        included."""
-        count = parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
-        return int(count * (1 + self.HEADROOM))
+    def count(self, parked_rows: int, rejoin_rows: int, piece_rows: int = 0) -> int:
+        """Bytes counted for `parked_rows` parked and `rejoin_rows` rejoining in pieces of at
+        most `piece_rows` (0: one piece), headroom left out."""
+        piece = min(rejoin_rows, piece_rows) if piece_rows else rejoin_rows
+        return (parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
+                + piece * self.piece_row_bytes)
+
+    def need(self, parked_rows: int, rejoin_rows: int, piece_rows: int = 0) -> int:
+        """`count`, headroom included."""
+        return int(self.count(parked_rows, rejoin_rows, piece_rows) * (1 + self.HEADROOM))
 
 
 def _no_bound() -> Optional[int]:
@@ -177,6 +199,8 @@ class ParkingLot:
     def __init__(self, max_parked_tokens: int, cost: Optional[RejoinCost] = None):
         self.max_parked_tokens = max_parked_tokens
         self.cost = cost  # None: no memory bound (set by the model runner hook)
+        # Rows a rejoining step's sublayers take at a time (the runtime's `piece_rows`; 0: all).
+        self.piece_rows = 0
         self.enabled = False  # set once the model integration can stop rows at the first drop
         self.rows: Dict[str, ParkedRows] = {}
         self.refused: Dict[str, str] = {}  # rid -> why its chunks do not park
@@ -248,7 +272,8 @@ class ParkingLot:
                                 "prompt longer than --uniprefill-max-parked-tokens")
         free = self.cost.free_bytes() if self.cost is not None else None
         if free is not None:
-            need = self.cost.need(rest, rest if rejoin_rows is None else min(rest, rejoin_rows))
+            need = self.cost.need(rest, rest if rejoin_rows is None else min(rest, rejoin_rows),
+                                  self.piece_rows)
             if need > free:
                 return self._refuse(rid, f"its rejoin needs {need / 2**30:.1f} GiB of device "
                                          f"memory, {free / 2**30:.1f} GiB is free",

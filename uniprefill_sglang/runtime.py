@@ -72,10 +72,11 @@ class UniPrefillRuntime:
                                 _stage_pools(stages, token_to_kv_pool, allocator, device))
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
-        self.parking = ParkingLot(config.max_parked_tokens)
-        # Rows one MLP or linear-attention mixer call takes at most in a compacted step
-        # (model_integration.py): the chunk size, set by the model runner hook (0: no limit).
-        self.piece_rows = 0
+        # Unset, parking follows the longest sequence the request table holds (the context
+        # length, plus the few slots SGLang adds): every prompt the server takes may park.
+        max_parked = config.max_parked_tokens
+        self.parking = ParkingLot(req_to_token_pool.req_to_token.shape[1] if max_parked is None
+                                  else max_parked)
         self.pieced_mlp_calls = 0
         self.pieced_mixer_calls = 0
         # rid -> why: requests UniPrefill could not answer from complete KV after a failure
@@ -100,7 +101,18 @@ class UniPrefillRuntime:
         # batch's lists held more.
         self.decode_graph_entries = None
         self.eager_decode_overflows = 0
-        self.last_rejoin = None  # the latest rejoin's memory on a GPU (parking.rejoin_record)
+        self.last_rejoin = None  # the latest rejoin (parking.rejoin_record)
+
+    @property
+    def piece_rows(self) -> int:
+        """Rows one MLP, linear-attention mixer or attention sublayer call takes at most in a
+        compacted step (model_integration.py): the chunk size, set by the model runner hook (0:
+        no limit). The parking lot prices a rejoin's pieces with it."""
+        return self.parking.piece_rows
+
+    @piece_rows.setter
+    def piece_rows(self, rows: int) -> None:
+        self.parking.piece_rows = rows
 
     @property
     def has_schedule(self) -> bool:
@@ -175,8 +187,9 @@ class UniPrefillRuntime:
                     self.kept_tokens += ctx.report.kept[-1][b]
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
-        if ctx.parking.allocated_at_start is not None:
-            self.last_rejoin = rejoin_record(ctx, self.parking.cost, self.last_rejoin)
+        if ctx.parking.rejoins:
+            self.last_rejoin = rejoin_record(ctx, self.parking.cost, self.last_rejoin,
+                                             self.piece_rows)
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can

@@ -23,7 +23,6 @@ from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_KV_LAYOUT,
     DEFAULT_LAST_QUERIES,
-    DEFAULT_MAX_PARKED_TOKENS,
     DEFAULT_PREFIX_POLICY,
     DEFAULT_SINK_TOKENS,
     KV_LAYOUTS,
@@ -111,11 +110,12 @@ class UniPrefillServerArgs(ServerArgs):
                  "the CPU.")
     ] = None
     uniprefill_max_parked_tokens: A[
-        int,
+        Optional[int],
         Arg(help="UniPrefill chunked prefill: the most prompt tokens whose hidden state is parked "
                  "between chunks so the final chunk's queries score them; longer prompts drop "
-                 "within the final chunk only. 0 disables parking."),
-    ] = DEFAULT_MAX_PARKED_TOKENS
+                 "within the final chunk only. Default: the context length (on a GPU the free "
+                 "memory bounds it too). 0 disables parking."),
+    ] = None
     uniprefill_profile: A[
         Optional[str],
         Arg(help="UniPrefill: a profile JSON written by `python -m uniprefill_sglang.calibrate`; "

@@ -3,7 +3,12 @@
 instance can serve the views), the one rule of when a layer reads KV through a per-stage view,
 and the helpers of the GPU adapters (batch sizes read without a device sync, the survivors'
 KV write, the prefix view, and the sliding-window layers after a drop, which every GPU backend
-serves with `kernels.positional_attention`). The views themselves are built by kv_validity.py."""
+serves with `kernels.positional_attention`). The views themselves are built by kv_validity.py.
+
+An attention layer after a drop may run its survivors in pieces (model_integration.py,
+`ctx.row_piece`): a piece's queries see what the unpieced layer's would, the stage's valid
+prefix, their request's rows ahead of the piece (written by earlier pieces) and, causally, the
+piece's own rows (`row_piece`, `stage_keys`)."""
 
 from __future__ import annotations
 
@@ -223,6 +228,28 @@ def piece_members(lens, fixed_lens, piece):
     return members, rows, before
 
 
+class RowPiece(NamedTuple):
+    """The survivors an attention layer's call runs: all of them, or the piece `ctx.row_piece` of
+    a sublayer run in pieces. Per request in batch order: its rows in the piece (0 where it has
+    none) and its rows ahead of the piece, whose KV earlier pieces wrote at this layer and which
+    its rows in the piece attend to after the stage's valid prefix (0 for a request without rows
+    in the piece: it attends to nothing)."""
+    rows: slice  # of the survivors (`ctx.positions`, `ctx.out_cache_loc`)
+    lens: List[int]
+    ahead: List[int]
+
+
+def row_piece(ctx) -> RowPiece:
+    bs = len(ctx.lens)
+    if ctx.row_piece is None:
+        return RowPiece(slice(0, sum(ctx.lens)), list(ctx.lens), [0] * bs)
+    members, rows, ahead = piece_members(ctx.lens, [0] * bs, ctx.row_piece)
+    lens, before = [0] * bs, [0] * bs
+    for b, n, a in zip(members, rows, ahead):
+        lens[b], before[b] = n, a
+    return RowPiece(slice(*ctx.row_piece), lens, before)
+
+
 class StateLayerRows(NamedTuple):
     """What a layer with a per-request state (linear attention, short convolution) needs to
     run the rows of `ctx` (or of its `row_piece`): each member request's rows as offsets on the
@@ -253,16 +280,60 @@ def view_cache(ctx, key: str) -> dict:
 
 
 def extend_qo_indptr(ctx, stage: int) -> torch.Tensor:
-    """[bs + 1] int64 on the device: each request's rows alive at `stage` (`ctx.lens`, which
-    each drop shrinks) as offsets. Built once per stage per forward."""
+    """[bs + 1] int64 on the device: each request's rows that the layers of `stage` run now as
+    offsets: its survivors (`ctx.lens`, which each drop shrinks), or its rows in the current
+    piece (`row_piece`). Built once per stage and piece per forward."""
     cache = view_cache(ctx, "qo_indptr")
-    qo_indptr = cache.get(stage)
+    key = (stage, ctx.row_piece)
+    qo_indptr = cache.get(key)
     if qo_indptr is None:
-        lens = to_device(ctx.lens, torch.int64, ctx.forward_batch.req_pool_indices.device)
-        qo_indptr = lens.new_zeros(lens.shape[0] + 1)
-        torch.cumsum(lens, 0, out=qo_indptr[1:])
-        cache[stage] = qo_indptr
+        qo_indptr = _offsets(row_piece(ctx).lens, ctx.forward_batch.req_pool_indices.device)
+        cache[key] = qo_indptr
     return qo_indptr
+
+
+def _offsets(lens: List[int], device) -> torch.Tensor:
+    """[0, cumsum(lens)] as int64 on the device, from a host list."""
+    lens = to_device(lens, torch.int64, device)
+    indptr = lens.new_zeros(lens.shape[0] + 1)
+    torch.cumsum(lens, 0, out=indptr[1:])
+    return indptr
+
+
+def stage_keys(runtime, req_to_token, ctx, stage: int, through: List[int],
+               positions: bool = False):
+    """Extend at `stage` (> 0): per request b, its valid prefix (`prefix_view`) then its first
+    `through[b]` survivors (whose KV this layer has written), as (kv_indptr [bs + 1] int32,
+    kv_indices int64: slots in the stage's pool, kv_pos: their original positions, or None
+    without `positions`). Each request's keys ascend in position. With `through` all zero these
+    are `prefix_view`'s lists, unmerged."""
+    fb = ctx.forward_batch
+    device = fb.req_pool_indices.device
+    counts, indptr, indices, *pos = prefix_view(runtime, req_to_token, fb, ctx, stage,
+                                                dtype=torch.int64, positions=positions)
+    pos = pos[0] if positions else None
+    if not any(through):
+        return indptr, indices, pos
+    n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
+    n_rows = sum(through)
+    rows_indptr = _offsets(through, device)
+    kv_indptr = (indptr.to(torch.int64) + rows_indptr).to(indptr.dtype)
+    kv_indices = torch.empty(n_prefix + n_rows, dtype=torch.int64, device=device)
+    kv_pos = torch.empty_like(kv_indices) if positions else None
+    # Request b's prefix entries move up by the rows listed for the requests before it ...
+    to = torch.arange(n_prefix, device=device) + rows_indptr[segment_ids(counts, n_prefix)]
+    kv_indices[to] = indices[:n_prefix]
+    if positions:
+        kv_pos[to] = pos[:n_prefix]
+    # ... and its first `through[b]` survivors land right after its prefix.
+    seg = segment_ids(rows_indptr[1:] - rows_indptr[:-1], n_rows)
+    arange = torch.arange(n_rows, device=device)
+    src = to_device(ctx.segment_starts(), torch.int64, device)[seg] + arange - rows_indptr[seg]
+    to = indptr.to(torch.int64)[seg + 1] + arange
+    kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc[src], stage).to(torch.int64)
+    if positions:
+        kv_pos[to] = ctx.positions[src].to(torch.int64)
+    return kv_indptr, kv_indices, kv_pos
 
 
 # ---- sliding-window layers after a drop ------------------------------------------------------
@@ -271,38 +342,22 @@ def extend_qo_indptr(ctx, stage: int) -> torch.Tensor:
 # original positions (a query at p sees the keys at p - window .. p).
 def window_extend_keys(runtime, req_to_token, ctx, stage: int):
     """Extend at `stage` on a sliding-window layer: each request's keys, its valid prefix then
-    its current rows (written before attention), as (qo_indptr, kv_indptr, kv_indices,
-    kv_pos), the slots in the stage's pool and their original positions. Built once per stage
-    per forward."""
+    its survivors through the rows the layer runs now (`row_piece`; written before attention),
+    as (qo_indptr, kv_indptr, kv_indices, kv_pos), the slots in the stage's pool and their
+    original positions. Built once per stage and piece per forward."""
     cache = view_cache(ctx, "window_extend_keys")
-    keys = cache.get(stage)
+    key = (stage, ctx.row_piece)
+    keys = cache.get(key)
     if keys is not None:
         return keys
-    fb = ctx.forward_batch
-    device = fb.req_pool_indices.device
-    qo_indptr = extend_qo_indptr(ctx, stage)
-    counts, indptr, indices, pos = prefix_view(runtime, req_to_token, fb, ctx, stage,
-                                               dtype=torch.int64, positions=True)
-    lens = qo_indptr[1:] - qo_indptr[:-1]
-    kv_indptr = indptr.to(torch.int64) + qo_indptr
-    n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
-    n_rows = sum(ctx.lens)
-    kv_indices = torch.empty(n_prefix + n_rows, dtype=torch.int64, device=device)
-    kv_pos = torch.empty_like(kv_indices)
-    # Request b's prefix entries move up by the current rows of the requests before it, its
-    # current rows land after its prefix.
-    ahead = qo_indptr[segment_ids(counts, n_prefix)]
-    to = torch.arange(n_prefix, device=device) + ahead
-    kv_indices[to] = indices[:n_prefix]
-    kv_pos[to] = pos[:n_prefix]
-    to = indptr.to(torch.int64)[segment_ids(lens, n_rows) + 1] + torch.arange(n_rows,
-                                                                             device=device)
-    kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc, stage).to(torch.int64)
-    kv_pos[to] = ctx.positions.to(torch.int64)
-    keys = (qo_indptr, kv_indptr, kv_indices, kv_pos)
+    piece = row_piece(ctx)
+    through = [a + n for a, n in zip(piece.ahead, piece.lens)]
+    kv_indptr, kv_indices, kv_pos = stage_keys(runtime, req_to_token, ctx, stage, through,
+                                               positions=True)
+    keys = (extend_qo_indptr(ctx, stage), kv_indptr.to(torch.int64), kv_indices, kv_pos)
     if runtime.check_kv_lens:
         _check_keys_ascend(kv_indptr, kv_pos)
-    cache[stage] = keys
+    cache[key] = keys
     return keys
 
 
@@ -320,6 +375,16 @@ def _check_keys_ascend(kv_indptr: torch.Tensor, kv_pos: torch.Tensor) -> None:
         at = int(torch.nonzero(steps_down)[0]) + 1
         raise CheckFailed(f"UniPrefill: sliding-window keys out of position order at entry {at} "
                           f"({kv_pos[at - 1].item()} then {kv_pos[at].item()})")
+
+
+def window_extend_attention(runtime, pool, req_to_token, layer, q, ctx, stage: int,
+                            window: int):
+    """A sliding-window layer of `stage` in an extend: the rows it runs now (`row_piece`) over
+    `window_extend_keys`."""
+    piece = row_piece(ctx)
+    keys = window_extend_keys(runtime, req_to_token, ctx, stage)
+    return window_attention(pool, layer, q, ctx.positions[piece.rows], keys, window,
+                            max(piece.lens))
 
 
 def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):

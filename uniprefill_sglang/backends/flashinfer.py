@@ -17,6 +17,10 @@ so are the rows that chunked prefill parked and did not keep). So plain causal p
   upstream does not use its ragged wrapper, one causal paged wrapper runs over the whole
   compacted list. Those layers write KV for the survivors only (`ctx.out_cache_loc`). Stage 0
   runs upstream code, and so do dense batches under the shared layout.
+* Extend in pieces (a layer run over the survivors in pieces, `common.row_piece`): the same
+  wrappers' description for one piece, its rows as the current ones and their request's rows
+  ahead of the piece joining the valid prefix (`common.stage_keys`), planned by the layer's call
+  on wrappers of their own (`PIECE`).
 * Decode: for a batch with a sparse request (or any batch under the staged layout), one decode
   wrapper per stage > 0 is planned once per step; `_get_wrapper_idx` returns the layer's stage
   while such a metadata is active. Dense batches under the shared layout keep upstream's
@@ -57,14 +61,17 @@ from uniprefill_sglang.backends.common import (
     extend_view_slots,
     host_seq_lens,
     prefix_view,
+    row_piece,
     seq_lens_sum,
     sliding_window,
+    stage_keys,
     stages_after_first,
     view_cache,
     window_attention,
-    window_extend_keys,
+    window_extend_attention,
     write_kv,
 )
+from uniprefill_sglang.backends.flashinfer_template import paged_template, use_paged_template
 from uniprefill_sglang.context import UniPrefillError, current
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
@@ -122,12 +129,18 @@ class FlashInferAdapter(StageViewAdapter):
         """Every later stage's extend wrappers, of the kinds this backend's configuration runs,
         and its eager decode wrapper. Each FlashInfer wrapper allocates an 8 MiB device and an
         8 MiB pinned host workspace: made on first use, they were paid by the first requests
-        that read a view (an 8K request with keep 0.5,0.8 took 0.174 s first, 0.119 s after)."""
+        that read a view (an 8K request with keep 0.5,0.8 took 0.174 s first, 0.119 s after).
+        Upstream's eager paged prefill wrappers move to the fastest template first
+        (flashinfer_template.py)."""
+        use_paged_template(backend)
         kinds = ("ragged", "prefix") if _uses_ragged(backend) else ("paged",)
         for stage in stages_after_first(runtime):
             for kind in kinds:
                 _wrapper(backend, kind, stage)
             _decode_wrapper(backend, stage)
+        if runtime.piece_rows:
+            for kind in kinds:
+                _wrapper(backend, kind, PIECE)
         self.state(backend).prepared = True
 
     def correct_upstream(self, backend):
@@ -211,9 +224,14 @@ def _made_late(st) -> None:
         runtime.views_allocated_late += 1
 
 
-def _wrapper(backend, kind: str, stage: int):
+# The "stage" of the wrappers that a layer run in pieces plans at each call (`_plan_piece_view`).
+PIECE = "piece"
+
+
+def _wrapper(backend, kind: str, stage):
     """One wrapper per (kind, stage): each is planned once per forward, before the earlier
-    stages' layers have run, so re-planning a shared one would race their pinned plan copies."""
+    stages' layers have run, so re-planning a shared one would race their pinned plan copies
+    (`PIECE`: the wrappers of layers run in pieces, planned at every call without that race)."""
     from flashinfer import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
     st = ADAPTER.state(backend)
@@ -224,7 +242,7 @@ def _wrapper(backend, kind: str, stage: int):
                 backend.workspace_buffer, "NHD", backend=backend.prefill_wrapper_ragged._backend)
         else:
             w = BatchPrefillWithPagedKVCacheWrapper(
-                backend.workspace_buffer, "NHD", backend=backend.prefill_backend)
+                backend.workspace_buffer, "NHD", backend=paged_template(backend))
         st.extend_wrappers[(kind, stage)] = w
         _made_late(st)
     return w
@@ -254,15 +272,24 @@ def _host_indptr(lens) -> torch.Tensor:
     return indptr
 
 
-def _plan_paged(backend, wrapper, qo_lens, kv_lens, indices, causal: bool) -> None:
+def _plan_paged(backend, wrapper, qo_lens, kv_lens, indices, causal: bool,
+                non_blocking: bool = True) -> None:
     upd = backend.indices_updater_prefill
     wrapper.plan(
         _host_indptr(qo_lens), _host_indptr(kv_lens), indices,
         torch.ones(len(qo_lens), dtype=torch.int32),
         upd.num_qo_heads, upd.num_kv_heads, upd.head_dim, 1,
         causal=causal, q_data_type=upd.q_data_type, kv_data_type=upd.data_type,
-        non_blocking=True,
+        non_blocking=non_blocking,
     )
+
+
+def _plan_ragged(backend, wrapper, lens, non_blocking: bool = True) -> None:
+    """Causal attention of each request's rows among themselves."""
+    upd = backend.indices_updater_prefill
+    indptr = _host_indptr(lens)
+    wrapper.plan(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
+                 causal=True, q_data_type=upd.q_data_type, non_blocking=non_blocking)
 
 
 def _ragged_wrapper(backend, ctx, stage: int, cache: dict):
@@ -272,17 +299,16 @@ def _ragged_wrapper(backend, ctx, stage: int, cache: dict):
     key = ("ragged", tuple(ctx.lens))
     ragged = cache.get(key)
     if ragged is None:
-        upd = backend.indices_updater_prefill
         ragged = cache[key] = _wrapper(backend, "ragged", stage)
-        indptr = _host_indptr(ctx.lens)
-        ragged.plan(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
-                    causal=True, q_data_type=upd.q_data_type, non_blocking=True)
+        _plan_ragged(backend, ragged, ctx.lens)
     return ragged
 
 
 def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     """Plan (once per stage per forward) the wrappers of `stage`. Lengths come from the host:
     the prefix's valid KV at this stage (counted when the forward began) and the rows alive."""
+    if ctx.row_piece is not None:
+        return _plan_piece_view(backend, runtime, ctx, stage)
     cache = view_cache(ctx, "_uniprefill_fi_views")
     view = cache.get(stage)
     if view is not None:
@@ -304,6 +330,35 @@ def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
         view = _StageView(paged=_wrapper(backend, "paged", stage))
         _plan_paged(backend, view.paged, ctx.lens, kv_lens, indices, causal=True)
     cache[stage] = view
+    return view
+
+
+def _plan_piece_view(backend, runtime, ctx, stage: int) -> _StageView:
+    """The wrappers of one piece (`row_piece`) of a layer of `stage`, planned for this call: the
+    stage's layers run the pieces in turn, and keeping every piece's plan through the stage
+    would take a wrapper (8 MiB of plan workspace on the device, 8 MiB pinned) per piece and
+    stage. Planned synchronously (a device sync per call, not one per kernel): the next call
+    re-plans the same wrappers, which must not overwrite a pinned plan the stream has not
+    copied yet."""
+    piece = row_piece(ctx)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    # The stage's valid prefix and the rows ahead of the piece, whose KV earlier pieces wrote.
+    prefix_lens = [p[stage] + a for p, a in zip(ctx.prefix_valid, piece.ahead)]
+    if backend.forward_metadata.use_ragged:
+        view = _StageView(ragged=_wrapper(backend, "ragged", PIECE))
+        _plan_ragged(backend, view.ragged, piece.lens, non_blocking=False)
+        if any(prefix_lens):
+            _, indices, _ = stage_keys(runtime, req_to_token, ctx, stage, piece.ahead)
+            view.prefix = _wrapper(backend, "prefix", PIECE)
+            _plan_paged(backend, view.prefix, piece.lens, prefix_lens, indices.to(torch.int32),
+                        causal=False, non_blocking=False)
+        return view
+    through = [a + n for a, n in zip(piece.ahead, piece.lens)]
+    _, indices, _ = stage_keys(runtime, req_to_token, ctx, stage, through)
+    view = _StageView(paged=_wrapper(backend, "paged", PIECE))
+    _plan_paged(backend, view.paged, piece.lens,
+                [p + n for p, n in zip(prefix_lens, piece.lens)], indices.to(torch.int32),
+                causal=True, non_blocking=False)
     return view
 
 
@@ -337,12 +392,12 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     view = (None if window is not None
             else _plan_extend_view(backend, runtime, ctx, ctx.forward_batch, stage))
     if save_kv_cache:
-        write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k, v,
+        write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc[row_piece(ctx).rows], k, v,
                  *backend._kv_write_scales(layer))
     if window is not None:
-        keys = window_extend_keys(runtime, backend.req_to_token_pool.req_to_token, ctx, stage)
-        return window_attention(backend.token_to_kv_pool, layer, q, ctx.positions, keys, window,
-                                max(ctx.lens))
+        return window_extend_attention(runtime, backend.token_to_kv_pool,
+                                       backend.req_to_token_pool.req_to_token, layer, q, ctx,
+                                       stage, window)
     q = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
     kv_cache = backend.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     if view.paged is not None:

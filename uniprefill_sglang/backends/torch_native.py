@@ -6,6 +6,8 @@ whether or not a neighbour in the batch dropped, and whichever the layout.
 Requests with missing KV attend to their valid slots with an explicit causal mask on the
 original positions; a sliding-window layer's mask also leaves out keys more than its window
 before the query, measured in original positions (as upstream measures it on a whole sequence).
+A layer run in pieces (`common.row_piece`) takes each request's rows in the piece, with the
+keys up to the piece's end: its valid prefix and survivors, the piece's own rows last.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from uniprefill_sglang.backends.common import StageViewAdapter, needs_view, sliding_window
-from uniprefill_sglang.context import current
+from uniprefill_sglang.backends.common import (StageViewAdapter, needs_view, row_piece,
+                                               sliding_window)
+from uniprefill_sglang.context import current, to_device
 from uniprefill_sglang.runtime import get_runtime
 
 
@@ -72,8 +75,9 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
     fb = forward_batch
     stage = runtime.stages.stage(layer.layer_id)
+    piece = row_piece(ctx)
     q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)  # Gemma 3 passes [1, n, H, D]
-    _write_kv(backend, layer, ctx.out_cache_loc, k, v, save_kv_cache)
+    _write_kv(backend, layer, ctx.out_cache_loc[piece.rows], k, v, save_kv_cache)
     o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
     q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
@@ -82,26 +86,32 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     req_to_token = backend.req_to_token_pool.req_to_token
     seq_lens = fb.seq_lens_cpu.tolist()
     rows = fb.req_pool_indices.tolist()
-    for b, s in enumerate(ctx.segment_starts()):
-        n = ctx.lens[b]
+    positions = ctx.positions[piece.rows]
+    s = 0
+    for b, (n, ahead) in enumerate(zip(piece.lens, piece.ahead)):
         if n == 0:
             continue
-        if ctx.sparse[b] and stage > 0:
+        # Keys through the piece's last row: the prefix, the rows ahead, the piece's own.
+        sparse = ctx.sparse[b] and stage > 0
+        before = (ctx.prefix_valid[b][stage] if sparse else ctx.fixed_lens[b]) + ahead
+        if sparse:
             slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
-            slots = runtime.slots.pool_slots(slots, stage)
-            mask = _visible(kpos, ctx.positions[s : s + n], sliding_window(layer))
+            slots = runtime.slots.pool_slots(slots[: before + n], stage)
+            mask = _visible(kpos[: before + n], positions[s : s + n], sliding_window(layer))
             o_[s : s + n] = _masked_sdpa(q_[s : s + n], k_cache[slots], v_cache[slots], mask, layer)
         else:
-            table, row = _request_slots(runtime, req_to_token, rows[b], seq_lens[b], stage)
+            table, row = _request_slots(runtime, req_to_token, rows[b], before + n, stage)
+            lens = to_device([before + n, before, n], torch.int64, q.device)
             backend._run_sdpa_forward_extend(
                 q_[s : s + n], o_[s : s + n], k_cache, v_cache, table,
-                fb.req_pool_indices[b : b + 1] if row is None else row, fb.seq_lens[b : b + 1],
-                fb.extend_prefix_lens[b : b + 1], fb.extend_seq_lens[b : b + 1],
+                fb.req_pool_indices[b : b + 1] if row is None else row,
+                lens[0:1], lens[1:2], lens[2:3],
                 scaling=layer.scaling,
                 enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
                 causal=True,
                 sliding_window_size=sliding_window(layer),
             )
+        s += n
     return o
 
 

@@ -8,7 +8,9 @@ invariant):
   q/k/v directly (causal among them) and, as its "prefix", each request's valid slots at this
   stage before its first current row (`ctx.fixed_lens`; chunked prefill's rejoining parked rows
   are current rows). Built once per stage per forward (cached on the drop context); the layer
-  writes KV for the survivors only.
+  writes KV for the survivors only. A layer run in pieces (`common.row_piece`) takes a piece's
+  rows as the current ones, and as their prefix also their request's rows ahead of the piece
+  (`common.stage_keys`), once per stage and piece.
 * Extend on a sliding-window layer (Gemma 3's local layers): upstream's kernel counts the
   window in KV entries, which is wrong once entries are missing, so the layer runs
   `kernels.positional_attention` over each request's valid prefix and current rows, masked by
@@ -40,13 +42,13 @@ from uniprefill_sglang.backends.common import (
     decode_needs_views,
     extend_needs_view,
     extend_qo_indptr,
-    prefix_view,
+    row_piece,
     seq_lens_sum,
     sliding_window,
+    stage_keys,
     stages_after_first,
     view_cache,
-    window_attention,
-    window_extend_keys,
+    window_extend_attention,
     write_kv,
 )
 from uniprefill_sglang.context import UniPrefillError, current
@@ -113,18 +115,19 @@ ADAPTER = TritonAdapter()
 
 
 # ---- extend ----------------------------------------------------------------------------------
-def _extend_view(backend, runtime, ctx, fb, stage: int):
+def _extend_view(backend, runtime, ctx, stage: int):
     cache = view_cache(ctx, "_uniprefill_triton_views")
-    view = cache.get(stage)
+    key = (stage, ctx.row_piece)
+    view = cache.get(key)
     if view is not None:
         return view
     # With the positions where sliding-window layers need them (`window_extend_keys`): one
     # compaction serves both kinds of layer.
-    _, kv_indptr, kv_indices, *_ = prefix_view(runtime, backend.req_to_token, fb, ctx, stage,
-                                                dtype=torch.int64,
-                                                positions=_model_window(backend) is not None)
-    view = (kv_indptr, kv_indices, extend_qo_indptr(ctx, stage), max(ctx.lens))
-    cache[stage] = view
+    piece = row_piece(ctx)
+    kv_indptr, kv_indices, _ = stage_keys(runtime, backend.req_to_token, ctx, stage, piece.ahead,
+                                          positions=_model_window(backend) is not None)
+    view = (kv_indptr, kv_indices, extend_qo_indptr(ctx, stage), max(piece.lens))
+    cache[key] = view
     return view
 
 
@@ -142,21 +145,20 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
         raise UniPrefillError(f"Triton layer {layer.layer_id} needs a per-stage KV view that "
                               f"this call cannot take ({why})")
     stage = runtime.stages.stage(layer.layer_id)
-    # From the live batch (under the breakable prefill graph `forward_batch` is a static copy).
-    kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(
-        backend, runtime, ctx, ctx.forward_batch, stage
-    )
+    # From the live batch (the drop context; under the breakable prefill graph `forward_batch`
+    # is a static copy).
+    kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(backend, runtime, ctx, stage)
     if save_kv_cache:
+        slots = ctx.out_cache_loc[row_piece(ctx).rows]
         if layer.k_scale is None:
-            write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k, v)
+            write_kv(backend.token_to_kv_pool, layer, slots, k, v)
         else:
-            write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc, k.clone(), v.clone(),
+            write_kv(backend.token_to_kv_pool, layer, slots, k.clone(), v.clone(),
                      layer.k_scale, layer.v_scale)
     window = sliding_window(layer)
     if window is not None:
-        keys = window_extend_keys(runtime, backend.req_to_token, ctx, stage)
-        return window_attention(backend.token_to_kv_pool, layer, q, ctx.positions, keys, window,
-                                max(ctx.lens))
+        return window_extend_attention(runtime, backend.token_to_kv_pool, backend.req_to_token,
+                                       layer, q, ctx, stage, window)
     meta = backend.forward_metadata
     saved = (meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len)
     meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len = (
