@@ -89,7 +89,69 @@ def fidelity_text(model: str) -> Callable[[dict], str]:
     return derive
 
 
+LENGTHS = ("8192", "32768", "65536", "131000")
+STOCK_FILE = "defaults/defaults_stock_h100.json"
+
+
+def _row(result: dict, config: str) -> dict:
+    (row,) = [r for r in result["rows"] if r["config"] == config]
+    return row
+
+
+def stock_131k() -> float:
+    stock = json.loads((RESULTS / STOCK_FILE).read_text())
+    return _row(stock, "stock")["single"]["131000"]["ttft_s"]
+
+
+def defaults_row(config: str, label: str) -> Callable[[dict], str]:
+    """One row of the summary's defaults table: the configuration's backend as SGLang chose it,
+    its median time to first token per length, stock (fa3) over it at 131K, and the share of
+    the 131K prompt left after its last drop."""
+    def derive(result: dict) -> str:
+        row = _row(result, config)
+        single = row["single"]
+        times = " / ".join(f"{single[n]['ttft_s']:.3f}" for n in LENGTHS[:2]) + " / " + \
+            " / ".join(f"{single[n]['ttft_s']:.2f}" for n in LENGTHS[2:])
+        kept = single["131000"].get("kept_tokens")
+        share = f"{kept[-1] / kept[0]:.0%}" if kept else "–"
+        speedup = stock_131k() / single["131000"]["ttft_s"]
+        return (f"| {label} | {row['sglang_chose']['attention_backend']} | {times} s | "
+                f"{speedup:.2f}x | {share} |")
+    return derive
+
+
 FIGURES: list = [
+    Figure(SUMMARY,
+           "| stock, no backend flag | fa3 | 0.369 / 1.194 / 3.31 / 10.29 s | 1.00x | – |",
+           STOCK_FILE, defaults_row("stock", "stock, no backend flag")),
+    Figure(SUMMARY,
+           "| stock, `--attention-backend flashinfer` | flashinfer | 0.219 / 1.474 / 4.47 / 15.13 s | 0.68x | – |",
+           STOCK_FILE, defaults_row("stock_flashinfer",
+                                                 "stock, `--attention-backend flashinfer`")),
+    Figure(SUMMARY,
+           "| `--enable-uniprefill` | flashinfer | 0.226 / 1.661 / 4.73 / 15.50 s | 0.66x | 95% |",
+           "defaults/defaults_uniprefill_h100.json",
+           defaults_row("defaults", "`--enable-uniprefill`")),
+    Figure(SUMMARY,
+           "| `--enable-uniprefill --uniprefill-top-p 0.6` | flashinfer | 0.105 / 0.575 / 1.66 / 5.35 s | 1.92x | 5% |",
+           "defaults/defaults_uniprefill_h100.json",
+           defaults_row("top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`")),
+    Figure(SUMMARY,
+           "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | flashinfer | 0.114 / 0.637 / 1.79 / 5.69 s | 1.81x | 17% |",
+           "defaults/defaults_uniprefill_h100.json",
+           defaults_row("keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`")),
+    Figure(SUMMARY,
+           "| `--enable-uniprefill`, paged template `auto` | flashinfer | 0.221 / 1.443 / 3.81 / 11.55 s | 0.89x | 95% |",
+           "defaults/defaults_uniprefill_fa3_template_h100.json",
+           defaults_row("defaults", "`--enable-uniprefill`, paged template `auto`")),
+    Figure(SUMMARY,
+           "| `--uniprefill-top-p 0.6`, paged template `auto` | flashinfer | 0.113 / 0.540 / 1.42 / 4.14 s | 2.49x | 5% |",
+           "defaults/defaults_top_p_fa3_template_h100.json",
+           defaults_row("top_p", "`--uniprefill-top-p 0.6`, paged template `auto`")),
+    Figure(SUMMARY,
+           "| `--uniprefill-keep-ratio 0.5,0.8`, paged template `auto` | flashinfer | 0.119 / 0.603 / 1.56 / 4.41 s | 2.33x | 17% |",
+           "defaults/defaults_uniprefill_fa3_template_h100.json",
+           defaults_row("keep", "`--uniprefill-keep-ratio 0.5,0.8`, paged template `auto`")),
     Figure(SUMMARY, "47/48 dense-right cases (98%) at 1.62x",
            "fidelity/eval_smollm2_two_drops_reporting.json", fidelity_text("smollm2")),
     Figure(SUMMARY, "43/45 dense-right cases (96%) at 1.59x",

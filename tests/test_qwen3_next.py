@@ -160,6 +160,13 @@ def _engine(model_dir, **kwargs):
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
+    from uniprefill_sglang.patches import versions
+
+    if not versions.applies("<0.5.23"):
+        # SGLang 0.5.23's Qwen3-Next allocates its layer buffers on
+        # torch.get_device_module().current_device(), which the CPU engine has not: it runs on
+        # 0.5.17 (CI's last leg) and on the GPU.
+        pytest.skip("SGLang 0.5.23's Qwen3-Next does not build on the CPU engine")
     return run_hybrid_workload(lambda **kw: _engine(model_dir, **kw), PROMPT, OTHER, GREEDY,
                                FORCED)
 

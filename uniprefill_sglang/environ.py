@@ -95,8 +95,8 @@ DECODE_GRAPH_ENTRIES = Text(
 # Tooling (uniprefill_sglang/tools): where models are converted to, and SGLang's CPU engine.
 FLASHINFER_PAGED_TEMPLATE = Choice(
     "UNIPREFILL_FLASHINFER_PAGED_TEMPLATE",
-    "'fa2' keeps SGLang's FA2 template for FlashInfer's eager paged prefill wrappers (default: "
-    "FlashInfer's own choice per plan, FA3 on Hopper; backends/flashinfer_template.py)",
+    "'auto' plans FlashInfer's eager paged prefill wrappers on FlashInfer's own template choice "
+    "(FA3 on Hopper) instead of SGLang's FA2 (experimental; backends/flashinfer_template.py)",
     ("fa2", "auto"))
 CACHE = Text("UNIPREFILL_CACHE", "folder of converted models (default ~/.cache/uniprefill_sglang)")
 SGL_KERNEL_STUB_DIR = Text(

@@ -130,8 +130,8 @@ class FlashInferAdapter(StageViewAdapter):
         and its eager decode wrapper. Each FlashInfer wrapper allocates an 8 MiB device and an
         8 MiB pinned host workspace: made on first use, they were paid by the first requests
         that read a view (an 8K request with keep 0.5,0.8 took 0.174 s first, 0.119 s after).
-        Upstream's eager paged prefill wrappers move to the fastest template first
-        (flashinfer_template.py)."""
+        Upstream's eager paged prefill wrappers move to the template flashinfer_template.py
+        picks (FA2 unless switched)."""
         use_paged_template(backend)
         kinds = ("ragged", "prefix") if _uses_ragged(backend) else ("paged",)
         for stage in stages_after_first(runtime):

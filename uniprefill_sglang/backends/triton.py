@@ -96,7 +96,9 @@ class TritonAdapter(StageViewAdapter):
             return "Triton with a page size other than 1"
         if backend.enable_deterministic:
             return "Triton under deterministic inference"
-        if (backend.dcp_size != 1 or backend.use_mla or backend._translate_kv_loc is not None
+        # `_translate_kv_loc` (a KV location map) exists on SGLang 0.5.17 only.
+        if (backend.dcp_size != 1 or backend.use_mla
+                or getattr(backend, "_translate_kv_loc", None) is not None
                 or backend.use_sliding_window_kv_pool):
             return "Triton with split-context, MLA, translated or sliding-window-pool KV"
         if _model_window(backend) is not None and backend.token_to_kv_pool.dtype in _FP8:
