@@ -143,8 +143,12 @@ class RejoinCost:
     before its recurrence, when the mixer took every row at once (7.6 GiB free); in pieces of
     8,192 rows (2026-12-04) 65,792 rejoining rows took 3.98 GB above the step's start at their
     peak, 60.4 KB a row, against 61.6 KB counted by the mixer's count, which this one keeps
-    (that step's attention was not yet in pieces; the mixer's count covered it). No rejoin with
-    attention in pieces has been measured yet. A rejoin of a few hundred rows measures above its
+    (that step's attention was not yet in pieces; the mixer's count covered it). With attention
+    in pieces, on one H100 (Llama-3.1-8B shape, 2026-12-06, benchmarks/results/defaults/
+    defaults_uniprefill_h100.json) 131,000-token prompts rejoined 65,664 rows (keep 0.5,0.8) and
+    78,720 rows (top-p 0.6) at a peak of 4.36 GB above the step's start against 2.45 and 2.88 GB
+    counted: this count runs 1.5-1.8x under the peak, beyond `HEADROOM` (the uncounted MLP
+    piece and the parked chunks' concatenation are the likely rest; not yet resolved). A rejoin of a few hundred rows measures above its
     count (LFM2's GPU test: 592 rows, 6.6 KB a row against 4.1 counted), where memory never
     bounds it."""
     parked_row_bytes: int
