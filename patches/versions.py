@@ -26,10 +26,10 @@ How each checked release is tested: 0.5.23, the release pip resolves for a user,
 (the README's demo command in a fresh environment, then the whole CPU suite); 0.5.17 by the last
 leg of `bash .ci/run`, a virtual environment that sees the first one's packages after its own
 (pip installs there what 0.5.17 pins apart: torch 2.11, transformers 5.12, ...), running the hook
-table, the versions check, a CPU engine's smoke test and the engine tests of what moved: the radix
-cache with follow-ups, the frontend and the OpenAI API on the default (staged) layout
-(`test_http_server.py`), chunked prefill and the rejoin (`test_rejoin.py`), less their fault and
-pool-pressure tests; and by the GPU tests (`tests/gpu/`), whose offline bundle carries 0.5.17.
+table, the versions check, a CPU engine's smoke test, chunked prefill and the rejoin
+(`test_rejoin.py`, less its fault and pool-pressure tests) and Qwen3-Next (whose 0.5.23 model
+allocates on the CUDA device and does not build on the CPU engine); and by the GPU tests
+(`tests/gpu/`), whose offline bundle carries 0.5.17.
 """
 
 from __future__ import annotations
