@@ -27,8 +27,9 @@ How each checked release is tested: 0.5.23, the release pip resolves for a user,
 leg of `bash .ci/run`, a virtual environment that sees the first one's packages after its own
 (pip installs there what 0.5.17 pins apart: torch 2.11, transformers 5.12, ...), running the hook
 table, the versions check, a CPU engine's smoke test, chunked prefill and the rejoin
-(`test_rejoin.py`, less its fault and pool-pressure tests) and Qwen3-Next (whose 0.5.23 model
-allocates on the CUDA device and does not build on the CPU engine); and by the GPU tests
+(`test_rejoin.py`, less its fault and pool-pressure tests), Qwen3-Next (whose 0.5.23 model
+allocates on the CUDA device and does not build on the CPU engine) and the hybrids'
+experimental prefix cache (`test_hybrid_prefix_cache.py`); and by the GPU tests
 (`tests/gpu/`), whose offline bundle carries 0.5.17.
 """
 
