@@ -1,7 +1,7 @@
 """Serving modes UniPrefill cannot serve correctly are refused at start-up, naming the flag.
 
-Every mode is checked through `prepare_server_args` (what `python -m sglang.launch_server` calls
-first; fast), and two of them by starting the real launcher and reading its output: it must exit
+Every mode is checked through `prepare_server_args` and, on 0.5.23, `resolve_once` (what
+`python -m sglang.launch_server` calls first; fast), and two of them by starting the real launcher and reading its output: it must exit
 non-zero with the message, before loading the model. Without `--enable-uniprefill` the same flags
 are SGLang's business: the plugin does not refuse them. Two refusals come after the model loaded:
 a hook target that did not resolve, and a prefix cache the hooks do not patch.
@@ -46,12 +46,9 @@ IDS = [r[0] for r in REFUSED]
 
 
 def _prepare(argv):
-    from sglang.srt.plugins import load_plugins
+    from launcher_args import launcher_server_args
 
-    load_plugins()  # what `python -m sglang.launch_server` does first
-    from sglang.srt import server_args as sa
-
-    return sa.prepare_server_args(argv)
+    return launcher_server_args(argv)
 
 
 def _base(model_path: str) -> list[str]:
