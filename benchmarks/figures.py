@@ -12,6 +12,7 @@ from its file, and a page cannot carry one without a file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -98,6 +99,7 @@ def _row(result: dict, config: str) -> dict:
     return row
 
 
+@functools.lru_cache(maxsize=None)
 def stock_131k() -> float:
     stock = json.loads((RESULTS / STOCK_FILE).read_text())
     return _row(stock, "stock")["single"]["131000"]["ttft_s"]
@@ -120,38 +122,30 @@ def defaults_row(config: str, label: str) -> Callable[[dict], str]:
     return derive
 
 
+# The summary's defaults table, row by row: (result file, configuration, its label, the row as
+# the summary prints it).
+DEFAULTS_TABLE = (
+    (STOCK_FILE, "stock", "stock, no backend flag",
+     "| stock, no backend flag | fa3 | 0.369 / 1.194 / 3.31 / 10.29 s | 1.00x | – |"),
+    (STOCK_FILE, "stock_flashinfer", "stock, `--attention-backend flashinfer`",
+     "| stock, `--attention-backend flashinfer` | flashinfer | 0.219 / 1.474 / 4.47 / 15.13 s | 0.68x | – |"),
+    ("defaults/defaults_uniprefill_h100.json", "defaults", "`--enable-uniprefill`",
+     "| `--enable-uniprefill` | flashinfer | 0.226 / 1.661 / 4.73 / 15.50 s | 0.66x | 95% |"),
+    ("defaults/defaults_uniprefill_h100.json", "top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`",
+     "| `--enable-uniprefill --uniprefill-top-p 0.6` | flashinfer | 0.105 / 0.575 / 1.66 / 5.35 s | 1.92x | 5% |"),
+    ("defaults/defaults_uniprefill_h100.json", "keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
+     "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | flashinfer | 0.114 / 0.637 / 1.79 / 5.69 s | 1.81x | 17% |"),
+    ("defaults/defaults_uniprefill_fa3_template_h100.json", "defaults", "`--enable-uniprefill`, paged template `auto`",
+     "| `--enable-uniprefill`, paged template `auto` | flashinfer | 0.221 / 1.443 / 3.81 / 11.55 s | 0.89x | 95% |"),
+    ("defaults/defaults_top_p_fa3_template_h100.json", "top_p", "`--uniprefill-top-p 0.6`, paged template `auto`",
+     "| `--uniprefill-top-p 0.6`, paged template `auto` | flashinfer | 0.113 / 0.540 / 1.42 / 4.14 s | 2.49x | 5% |"),
+    ("defaults/defaults_uniprefill_fa3_template_h100.json", "keep", "`--uniprefill-keep-ratio 0.5,0.8`, paged template `auto`",
+     "| `--uniprefill-keep-ratio 0.5,0.8`, paged template `auto` | flashinfer | 0.119 / 0.603 / 1.56 / 4.41 s | 2.33x | 17% |"),
+)
+
 FIGURES: list = [
-    Figure(SUMMARY,
-           "| stock, no backend flag | fa3 | 0.369 / 1.194 / 3.31 / 10.29 s | 1.00x | – |",
-           STOCK_FILE, defaults_row("stock", "stock, no backend flag")),
-    Figure(SUMMARY,
-           "| stock, `--attention-backend flashinfer` | flashinfer | 0.219 / 1.474 / 4.47 / 15.13 s | 0.68x | – |",
-           STOCK_FILE, defaults_row("stock_flashinfer",
-                                                 "stock, `--attention-backend flashinfer`")),
-    Figure(SUMMARY,
-           "| `--enable-uniprefill` | flashinfer | 0.226 / 1.661 / 4.73 / 15.50 s | 0.66x | 95% |",
-           "defaults/defaults_uniprefill_h100.json",
-           defaults_row("defaults", "`--enable-uniprefill`")),
-    Figure(SUMMARY,
-           "| `--enable-uniprefill --uniprefill-top-p 0.6` | flashinfer | 0.105 / 0.575 / 1.66 / 5.35 s | 1.92x | 5% |",
-           "defaults/defaults_uniprefill_h100.json",
-           defaults_row("top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`")),
-    Figure(SUMMARY,
-           "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | flashinfer | 0.114 / 0.637 / 1.79 / 5.69 s | 1.81x | 17% |",
-           "defaults/defaults_uniprefill_h100.json",
-           defaults_row("keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`")),
-    Figure(SUMMARY,
-           "| `--enable-uniprefill`, paged template `auto` | flashinfer | 0.221 / 1.443 / 3.81 / 11.55 s | 0.89x | 95% |",
-           "defaults/defaults_uniprefill_fa3_template_h100.json",
-           defaults_row("defaults", "`--enable-uniprefill`, paged template `auto`")),
-    Figure(SUMMARY,
-           "| `--uniprefill-top-p 0.6`, paged template `auto` | flashinfer | 0.113 / 0.540 / 1.42 / 4.14 s | 2.49x | 5% |",
-           "defaults/defaults_top_p_fa3_template_h100.json",
-           defaults_row("top_p", "`--uniprefill-top-p 0.6`, paged template `auto`")),
-    Figure(SUMMARY,
-           "| `--uniprefill-keep-ratio 0.5,0.8`, paged template `auto` | flashinfer | 0.119 / 0.603 / 1.56 / 4.41 s | 2.33x | 17% |",
-           "defaults/defaults_uniprefill_fa3_template_h100.json",
-           defaults_row("keep", "`--uniprefill-keep-ratio 0.5,0.8`, paged template `auto`")),
+    *(Figure(SUMMARY, text, result, defaults_row(config, label))
+      for result, config, label, text in DEFAULTS_TABLE),
     Figure(SUMMARY, "47/48 dense-right cases (98%) at 1.62x",
            "fidelity/eval_smollm2_two_drops_reporting.json", fidelity_text("smollm2")),
     Figure(SUMMARY, "43/45 dense-right cases (96%) at 1.59x",
