@@ -54,6 +54,15 @@ def _hf():
     return pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
+def _hf_conv_update(hf, x, state, weight, bias):
+    """transformers' torch conv update with SiLU: `torch_causal_conv1d_update` (SiLU built in)
+    up to 5.12, `causal_conv1d_update(..., activation=)` from 5.19 on."""
+    old = getattr(hf, "torch_causal_conv1d_update", None)
+    if old is not None:
+        return old(x, state, weight, bias)
+    return hf.causal_conv1d_update(x, state, weight, bias, activation="silu")
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gated_delta_rule_reference_matches_transformers(seed):
     """Packed sequences, each from its own state slot, against transformers' recurrence run on
@@ -104,12 +113,12 @@ def test_causal_conv_reference_matches_transformers(seed):
         s, e = int(cu[b]), int(cu[b + 1])
         start = before[slot].clone() if initial[b] else torch.zeros(dim, width - 1)
         state = start.unsqueeze(0)
-        want = hf.torch_causal_conv1d_update(x[None, :, s:e], state, weight, bias)
+        want = _hf_conv_update(hf, x[None, :, s:e], state, weight, bias)
         torch.testing.assert_close(out[:, s:e], want[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(states[slot], state[0])
     step_in = torch.randn(3, dim, generator=g)
     state = states[slots].clone()
-    want = hf.torch_causal_conv1d_update(step_in.unsqueeze(-1), state, weight, bias)[..., 0]
+    want = _hf_conv_update(hf, step_in.unsqueeze(-1), state, weight, bias)[..., 0]
     got = ref.causal_conv1d_step(step_in, states, weight, bias, "silu", conv_state_indices=slots)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(states[slots], state)
