@@ -134,6 +134,7 @@ def engine_description(name: str, engine) -> dict:
     return {"config": name, "flags": CONFIGS[name], "memory_usage_gb": memory,
             "sglang_chose": {k: info.get(k) for k in (
                 "chunked_prefill_size", "mem_fraction_static", "attention_backend",
+                "prefill_attention_backend", "decode_attention_backend",
                 "cuda_graph_backend_prefill", "disable_radix_cache", "uniprefill_kv_layout",
                 "uniprefill_prefix_policy", "uniprefill_top_p")},
             "max_total_num_tokens": memory.get("token_capacity")}

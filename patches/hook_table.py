@@ -13,8 +13,10 @@ attention adapters' rows, into the one table the loader registers (`patches.regi
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -72,21 +74,63 @@ def resolve_target(target: str):
     """The upstream object a dotted target names (the longest importable module, then
     attributes); raises ImportError or AttributeError when it does not exist."""
     parts = target.split(".")
+    failed = None  # the longest module that exists but failed to import
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
+        except ImportError as error:
+            if failed is None and _exists(".".join(parts[:cut])):
+                failed = error
             continue
-        for name in parts[cut:]:
-            obj = getattr(obj, name)
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            if failed is not None:
+                raise ImportError(f"{target}: its module does not import here ({failed})")
+            raise
         return obj
     raise ImportError(f"no module of {target} can be imported")
 
 
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent that is a module, not a package
+        return False
+
+
 def parameters(target: str) -> List[str]:
     """The parameter names of a hooked function, in order (kinds and defaults aside: a hook
-    passes arguments through by name and position)."""
-    return list(inspect.signature(resolve_target(target)).parameters)
+    passes arguments through by name and position). A method of a module that does not import
+    on this machine (SGLang's FA3 backend loads CUDA kernels at import) is read from its source,
+    so its signature is checked and recorded on CPU-only machines too."""
+    try:
+        return list(inspect.signature(resolve_target(target)).parameters)
+    except ImportError:
+        return source_parameters(target)
+
+
+def source_parameters(target: str) -> List[str]:
+    """`module.Class.method`'s parameter names, read from the module's source without
+    importing it; raises ImportError when the module, class or method is not there."""
+    module, cls, method = target.rsplit(".", 2)
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"no module {module}")
+    tree = ast.parse(Path(spec.origin).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == method:
+                    a = fn.args
+                    names = [x.arg for x in a.posonlyargs + a.args]
+                    names += [a.vararg.arg] if a.vararg else []
+                    names += [x.arg for x in a.kwonlyargs]
+                    names += [a.kwarg.arg] if a.kwarg else []
+                    bound = any(getattr(d, "id", None) == "classmethod" for d in fn.decorator_list)
+                    return names[1:] if bound else names  # as `inspect` gives a classmethod
+    raise ImportError(f"{target} is not in the source of {module}")
 
 
 def signed(rows: Iterable[Hook]) -> List[str]:

@@ -87,6 +87,33 @@ def resolved(server_args) -> Any:
     return resolving_view(server_args)
 
 
+def default_attention_backend(server_args) -> str:
+    """The attention backend SGLang picks for these args when given none (fa3 on Hopper for
+    MHA models), by SGLang's own rule: 0.5.23 keeps it in its resolution pipeline, 0.5.17 on
+    ServerArgs."""
+    # Both releases memoize the model config they build on the args; this one is built from
+    # args not yet resolved, so it is dropped again: SGLang builds its own while resolving.
+    memos = ("model_config", "_model_config", "_model_config_built_from")
+    had = {m for m in memos if m in getattr(server_args, "__dict__", {})
+           or getattr(server_args, m, None) is not None}
+    try:
+        try:
+            from sglang.srt.arg_groups.model_override_base import (get_default_attn_backend,
+                                                                   model_config_of,
+                                                                   use_mla_backend)
+        except ImportError:
+            return server_args._get_default_attn_backend(server_args.use_mla_backend(),
+                                                         server_args.get_model_config())
+        return get_default_attn_backend(server_args, use_mla_backend(server_args),
+                                        model_config_of(server_args))
+    finally:
+        for memo in set(memos) - had:
+            if memo in getattr(server_args, "__dict__", {}):
+                delattr(server_args, memo)
+            elif getattr(server_args, memo, None) is not None:
+                setattr(server_args, memo, None)
+
+
 # ---- A scheduler request's KV bookkeeping.
 
 def req_kv(req) -> Any:

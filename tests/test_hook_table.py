@@ -165,3 +165,21 @@ def test_rows_for_other_releases_are_left_out(monkeypatch):
     monkeypatch.setattr(radix_cache, "HOOKS", radix_cache.HOOKS + (later, now))
     rows = all_hooks()
     assert now in rows and later not in rows
+
+
+def test_parameters_read_from_source_match_the_record():
+    """The source reading that serves targets whose module does not import here (FA3's) gives
+    the parameters recorded for the installed SGLang (by `inspect` where the module imports)."""
+    import sglang
+
+    recorded, checked = table_module.recorded_signatures(), 0
+    for target in table_module.signed(all_hooks()):
+        try:
+            from_source = table_module.source_parameters(target)
+        except ImportError:  # a method inherited or assigned, not defined in its class body
+            continue
+        assert from_source == recorded[target][sglang.__version__], target
+        checked += 1
+    assert checked >= 10
+    with pytest.raises(ImportError):
+        table_module.source_parameters("sglang.srt.managers.scheduler.Scheduler.no_such_method")

@@ -19,8 +19,9 @@ from uniprefill_sglang import architectures as arch_table
 # Architectures with a table entry (uniprefill_sglang/architectures.py).
 SUPPORTED_ARCHITECTURES = arch_table.SUPPORTED_NAMES
 
-# Attention backends that know how to read per-stage (sparse) KV (uniprefill_sglang/backends/).
-SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
+# Attention backends that know how to read per-stage (sparse) KV (uniprefill_sglang/backends/);
+# fa3 serves prefill only (its decode runs on another backend: server_args.py).
+SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton", "fa3")
 
 
 def sliding_window_attention_backends() -> Tuple[str, ...]:

@@ -17,6 +17,7 @@ from typing import Optional
 from sglang.srt.arg_groups.arg_utils import A, Arg
 from sglang.srt.server_args import ServerArgs
 
+from uniprefill_sglang import architectures as arch_table
 from uniprefill_sglang import environ
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
@@ -195,13 +196,12 @@ class UniPrefillServerArgs(ServerArgs):
         if self.device == "cpu" and self.attention_backend is None:
             # SGLang picks intel_amx on x86 CPUs; the CPU path of UniPrefill is torch_native.
             self.attention_backend = "torch_native"
-        elif self.attention_backend is None and _on_cuda(self.device):
-            # SGLang would pick fa3 on Hopper; UniPrefill's GPU default is FlashInfer.
-            self.attention_backend = "flashinfer"
+        facts = ModelFacts.read(self)
+        if _on_cuda(self.device):
+            self._choose_gpu_attention_backends(facts)
         # Refuse unservable modes given on the command line before SGLang resolves them ...
         self._check_uniprefill_modes(self)
         # (SGLang's resolution makes the args read-only.)
-        facts = ModelFacts.read(self)
         self._resolve_uniprefill_profile(facts)
         resolve()
         # ... and again for what SGLang's resolution chose (a page size, a backend).
@@ -209,6 +209,31 @@ class UniPrefillServerArgs(ServerArgs):
         self._check_uniprefill_modes(resolved)
         self._check_uniprefill_backend(resolved)
         self._check_uniprefill_model(facts, resolved)
+
+    def _choose_gpu_attention_backends(self, facts: Optional[ModelFacts]):
+        """Keep the backend SGLang picks where an adapter serves it. FA3 (SGLang's pick on
+        Hopper) serves prefill over the per-stage views for models of full-attention layers
+        only; their decode runs on FlashInfer, whose adapter holds the per-stage decode views
+        and decode CUDA graphs (backends/fa3.py). Elsewhere the default is FlashInfer."""
+        given = (self.attention_backend, self.prefill_attention_backend,
+                 self.decode_attention_backend)
+        if self.decode_attention_backend == "fa3":
+            raise UniPrefillConfigError(
+                "--enable-uniprefill does not support --decode-attention-backend fa3: decode "
+                "over per-stage KV views runs on flashinfer or triton (FA3 serves prefill)")
+        if given == (None, None, None):
+            plain = facts is not None and set(arch_table.layer_kinds(
+                facts.layer_types, facts.num_layers)) == {arch_table.FULL_ATTENTION}
+            try:
+                picked = versions.default_attention_backend(self)
+            except Exception as e:  # SGLang's rule needs what these args cannot give yet
+                logger.info("UniPrefill: SGLang's default attention backend unknown (%s)", e)
+                picked = None
+            self.attention_backend = "fa3" if picked == "fa3" and plain else "flashinfer"
+        if "fa3" in (self.attention_backend, self.prefill_attention_backend) and (
+                self.decode_attention_backend is None):
+            self.decode_attention_backend = "flashinfer"
+            logger.info("UniPrefill: prefill attention on fa3, decode on flashinfer")
 
     def uniprefill_config(self) -> UniPrefillConfig:
         profile = None

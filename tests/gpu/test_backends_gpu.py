@@ -88,15 +88,21 @@ ENGINES = {
     # Per-stage decode-graph lists of 1,024 entries: a decode batch of two or more prompts
     # outgrows them and decodes eagerly, a single request replays its graph.
     "flashinfer_small_lists": dict(attention_backend="flashinfer"),
+    # FA3 prefill (backends/fa3.py) with FlashInfer decode, as server_args.py sets it, on both
+    # KV layouts; and the backends SGLang picks itself (fa3 on Hopper).
+    "fa3": dict(attention_backend="fa3"),
+    "fa3_shared": dict(attention_backend="fa3", uniprefill_kv_layout="shared"),
+    "sglang_default": dict(),
 }
 ENGINE_ENV = {"flashinfer_paged": {"SGLANG_FLASHINFER_USE_PAGED": "1"},
               "flashinfer_small_lists": {"UNIPREFILL_DECODE_GRAPH_ENTRIES": "1024"}}
 GPU_BACKENDS = ["flashinfer", "flashinfer_nograph", "triton", "flashinfer_paged",
-                "flashinfer_shared", "flashinfer_small_lists"]
+                "flashinfer_shared", "flashinfer_small_lists", "fa3", "fa3_shared",
+                "sglang_default"]
 GRAPH_BACKENDS = ["flashinfer", "triton", "flashinfer_paged", "flashinfer_shared",
-                  "flashinfer_small_lists"]
+                  "flashinfer_small_lists", "fa3", "fa3_shared"]
 META = "uniprefill"
-TIMEOUT_S = 270  # all engines, start-up included
+TIMEOUT_S = 360  # all engines, start-up included
 WORKLOAD_TIMEOUT_S = 120
 
 

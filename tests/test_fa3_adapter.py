@@ -1,0 +1,76 @@
+"""The FA3 adapter's pure parts (its attention runs on Hopper only: tests/gpu/test_backends_gpu.py
+compares it with the reference there): the page table a stage view becomes, and which backends
+a GPU server gets with --enable-uniprefill."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from uniprefill_sglang.backends.fa3 import page_table
+from uniprefill_sglang.config import UniPrefillConfigError
+from uniprefill_sglang.schedule import ModelFacts
+from uniprefill_sglang.server_args import UniPrefillServerArgs
+
+
+def _page_table_reference(lens, indices, width):
+    rows, start = [], 0
+    for n in lens:
+        rows.append(indices[start:start + n] + [0] * (width - n))
+        start += n
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_page_table_lists_each_requests_slots_then_zeros(seed):
+    rng = random.Random(seed)
+    lens = [rng.randint(0, 40) for _ in range(rng.randint(1, 7))]
+    indices = [rng.randint(1, 10_000) for _ in range(sum(lens))]
+    width = max(lens + [1]) + rng.randint(0, 5)
+    indptr = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    got = page_table(indptr, torch.tensor(indices, dtype=torch.int64), width)
+    assert got.dtype == torch.int32 and got.shape == (len(lens), width)
+    assert got.tolist() == _page_table_reference(lens, indices, width)
+
+
+def test_page_table_of_no_keys():
+    got = page_table(torch.zeros(3, dtype=torch.int32), torch.empty(0, dtype=torch.int64), 1)
+    assert got.tolist() == [[0], [0]]
+
+
+LLAMA = ModelFacts(("LlamaForCausalLM",), 4, 64, None, frozenset())
+GEMMA3 = ModelFacts(("Gemma3ForCausalLM",), 6, 64,
+                    ("sliding_attention",) * 5 + ("full_attention",), frozenset())
+
+
+def _choose(monkeypatch, picked, facts, attention=None, prefill=None, decode=None):
+    """The backends chosen when SGLang would pick `picked` (a Hopper answer stood in for: no
+    such GPU here)."""
+    from uniprefill_sglang.patches import versions
+
+    monkeypatch.setattr(versions, "default_attention_backend", lambda args: picked)
+    args = SimpleNamespace(attention_backend=attention, prefill_attention_backend=prefill,
+                           decode_attention_backend=decode)
+    UniPrefillServerArgs._choose_gpu_attention_backends(args, facts)
+    return args.attention_backend, args.prefill_attention_backend, args.decode_attention_backend
+
+
+def test_sglangs_fa3_is_kept_for_prefill_with_flashinfer_decode(monkeypatch):
+    assert _choose(monkeypatch, "fa3", LLAMA) == ("fa3", None, "flashinfer")
+
+
+def test_models_with_sliding_window_layers_and_other_picks_get_flashinfer(monkeypatch):
+    assert _choose(monkeypatch, "fa3", GEMMA3) == ("flashinfer", None, None)
+    assert _choose(monkeypatch, "fa3", None) == ("flashinfer", None, None)  # config unread
+    assert _choose(monkeypatch, "flashinfer", LLAMA) == ("flashinfer", None, None)
+    assert _choose(monkeypatch, "trtllm_mha", LLAMA) == ("flashinfer", None, None)
+
+
+def test_a_users_backends_are_kept(monkeypatch):
+    assert _choose(monkeypatch, "fa3", LLAMA, attention="fa3") == ("fa3", None, "flashinfer")
+    assert _choose(monkeypatch, "fa3", LLAMA, attention="triton") == ("triton", None, None)
+    assert _choose(monkeypatch, "fa3", LLAMA, prefill="fa3", decode="triton") == (
+        None, "fa3", "triton")
+    with pytest.raises(UniPrefillConfigError, match="--decode-attention-backend fa3"):
+        _choose(monkeypatch, "fa3", LLAMA, attention="fa3", decode="fa3")

@@ -1,0 +1,147 @@
+"""FA3 backend adapter (SGLang's `FlashAttentionBackend` over sgl_kernel's FlashAttention 3):
+extend attention over per-stage KV views.
+
+FA3 reads a request's keys through a page table; with page size 1 a row of it lists KV slots,
+so a stage's view is each request's valid slots at that stage as one padded row:
+
+* Extend (stage > 0, compacted batch, sparse prefix or staged layout): the layer writes KV for
+  the survivors it runs (all of them, or a piece's rows: `common.row_piece`), then attends
+  through a page table whose row b holds request b's valid prefix at the stage, its rows ahead
+  of the piece and the piece's own rows (`common.stage_keys`, in ascending positions), with
+  `cache_seqlens` their count. FA3's causal mask is aligned to the bottom right (query i of n
+  sees keys up to count - n + i), which is causality in original positions because a request's
+  queries are its last keys and both ascend. Views are built once per stage and piece per
+  forward (cached on the drop context), from host-known lengths: no device sync.
+* Decode is not served here: with UniPrefill, a server on fa3 decodes on FlashInfer
+  (server_args.py sets the decode backend), whose adapter serves per-stage decode views and
+  decode CUDA graphs. A decode step that reaches this backend with views needed raises, and
+  the step re-runs without UniPrefill (patches/model_runner.py).
+* Sliding-window and chunked-local layers are not served (`unsupported_reason`): such models
+  stay on FlashInfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from uniprefill_sglang.backends.common import (
+    StageViewAdapter,
+    active_runtime,
+    extend_needs_view,
+    extend_qo_indptr,
+    needs_view,
+    row_piece,
+    stage_keys,
+    view_cache,
+    write_kv,
+)
+from uniprefill_sglang.context import UniPrefillError, current
+
+
+class FA3Adapter(StageViewAdapter):
+    target = "sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend"
+
+    def unsupported_reason(self, backend):
+        if backend.page_size != 1:
+            return "FA3 with a page size other than 1"
+        if backend.use_mla:
+            return "FA3 with MLA"
+        if backend.has_swa or backend.use_sliding_window_kv_pool or backend.has_local_attention:
+            return "FA3 with sliding-window or chunked-local attention layers"
+        if backend.is_encoder_decoder or getattr(backend, "attn_cp_size", 1) > 1:
+            return "FA3 with cross attention or context parallelism"
+        if getattr(backend, "kv_cache_is_mxfp8", False) or getattr(
+                backend, "fa_skip_kv_cache", False):
+            return "FA3 with an MXFP8 KV cache or without a KV cache"
+        return None
+
+    def hooks(self):
+        return [("forward_extend", forward_extend, "around"),
+                ("forward_decode", forward_decode, "around")]
+
+
+ADAPTER = FA3Adapter()
+
+# The metadata fields a stage view replaces for one layer call.
+_VIEW_FIELDS = ("page_table", "cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k",
+                "max_seq_len_q", "max_seq_len_k", "scheduler_metadata")
+
+
+def page_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, width: int) -> torch.Tensor:
+    """[bs, width] int32: row b holds kv_indices[kv_indptr[b]:kv_indptr[b + 1]], then zeros
+    (FA3 reads a row only up to its `cache_seqlens`)."""
+    starts = kv_indptr[:-1].to(torch.int64).unsqueeze(1)
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64).unsqueeze(1)
+    cols = torch.arange(width, device=kv_indices.device).unsqueeze(0)
+    inside = cols < lens
+    if kv_indices.numel() == 0:
+        return torch.zeros(inside.shape, dtype=torch.int32, device=kv_indices.device)
+    src = (starts + cols).clamp_(max=kv_indices.numel() - 1)
+    return torch.where(inside, kv_indices[src], 0).to(torch.int32)
+
+
+def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
+    """The `_VIEW_FIELDS` values of `stage` for the rows this call runs."""
+    cache = view_cache(ctx, "_uniprefill_fa3_views")
+    key = (stage, ctx.row_piece)
+    view = cache.get(key)
+    if view is not None:
+        return view
+    piece = row_piece(ctx)
+    through = [a + n for a, n in zip(piece.ahead, piece.lens)]
+    kv_indptr, kv_indices, _ = stage_keys(runtime, backend.req_to_token, ctx, stage, through)
+    # Host lengths: the stage's valid prefix (the plans' mirror) and the rows through the piece.
+    counts = [p[stage] + t for p, t in zip(ctx.prefix_valid, through)]
+    width = max(counts, default=0)
+    view = (page_table(kv_indptr, kv_indices, max(width, 1)),
+            (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32),
+            extend_qo_indptr(ctx, stage).to(torch.int32),
+            kv_indptr.to(torch.int32),
+            max(piece.lens, default=0), width, None)
+    cache[key] = view
+    return view
+
+
+def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
+                   *args, **kwargs):
+    """AROUND `FlashAttentionBackend.forward_extend`."""
+    runtime, ctx = active_runtime(), current()
+    if not extend_needs_view(ctx, runtime, layer):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    why = ADAPTER.unsupported_reason(backend)
+    if why is None and (k is None or v is None):
+        why = "no new keys"
+    if why is None and getattr(forward_batch, "_attn_output", None) is not None:
+        why = "a preallocated attention output"
+    if why is None and (kwargs.get("score_mod") is not None
+                        or kwargs.get("rel_bias") is not None):
+        why = "a score_mod or relative bias"
+    if why is not None:
+        # Upstream would read KV this layer's stage does not hold: never fall through to it.
+        raise UniPrefillError(f"FA3 layer {layer.layer_id} needs a per-stage KV view that this "
+                              f"call cannot take ({why})")
+    stage = runtime.stages.stage(layer.layer_id)
+    if save_kv_cache:
+        slots = ctx.out_cache_loc[row_piece(ctx).rows]
+        write_kv(backend.token_to_kv_pool, layer, slots, k, v, layer.k_scale, layer.v_scale)
+    view = _extend_view(runtime, backend, ctx, stage)
+    meta = backend.forward_metadata
+    saved = tuple(getattr(meta, f) for f in _VIEW_FIELDS)
+    for f, x in zip(_VIEW_FIELDS, view):
+        setattr(meta, f, x)
+    try:
+        # KV already written above, at the survivors' slots.
+        return original(backend, q, k, v, layer, forward_batch, False, *args, **kwargs)
+    finally:
+        for f, x in zip(_VIEW_FIELDS, saved):
+            setattr(meta, f, x)
+
+
+def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    """AROUND `FlashAttentionBackend.forward_decode`: a decode step whose layer needs a view
+    never reads upstream's full page table (see the module docstring)."""
+    ctx, runtime = current(), active_runtime()
+    if ctx is not None and not ctx.is_extend and needs_view(ctx, runtime, layer):
+        raise UniPrefillError(f"FA3 layer {layer.layer_id}: decode over per-stage KV views runs "
+                              "on the FlashInfer decode backend, not FA3")
+    return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
