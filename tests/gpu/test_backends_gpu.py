@@ -47,6 +47,7 @@ from engine_harness import (  # noqa: E402
     log_dir_or,
     run_engines,
     idle_state,
+    selected,
 )
 
 VOCAB = 1024
@@ -341,10 +342,11 @@ def results():
     with tempfile.TemporaryDirectory(prefix="uniprefill-gpu-") as tmp:
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model")
-        out, failed = run_engines(__file__, ENGINES, model_dir, tmp, log_dir_or(tmp), TIMEOUT_S,
+        names, skipped = selected(ENGINES)
+        out, failed = run_engines(__file__, names, model_dir, tmp, log_dir_or(tmp), TIMEOUT_S,
                                   prefix="engine_")
         print("workload s: %s" % {n: round(r["workload_s"], 1) for n, r in out.items()})
-        yield EngineResults(out, failed)
+        yield EngineResults(out, failed, skipped)
 
 
 def _outputs(res: dict) -> dict:
