@@ -111,8 +111,6 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     why = ADAPTER.unsupported_reason(backend)
     if why is None and (k is None or v is None):
         why = "no new keys"
-    if why is None and getattr(forward_batch, "_attn_output", None) is not None:
-        why = "a preallocated attention output"
     if why is None and (kwargs.get("score_mod") is not None
                         or kwargs.get("rel_bias") is not None):
         why = "a score_mod or relative bias"
@@ -129,12 +127,20 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     saved = tuple(getattr(meta, f) for f in _VIEW_FIELDS)
     for f, x in zip(_VIEW_FIELDS, view):
         setattr(meta, f, x)
+    # The prefill graph's output buffer (set by SGLang's attention op, never cleared): FA3 writes
+    # into it when it has the survivors' rows; otherwise it is left out and the op copies.
+    out = getattr(forward_batch, "_attn_output", None)
+    if out is not None and (out.numel() // (layer.tp_q_head_num * layer.v_head_dim)
+                            != q.numel() // (layer.tp_q_head_num * layer.qk_head_dim)):
+        forward_batch._attn_output = None
     try:
         # KV already written above, at the survivors' slots.
         return original(backend, q, k, v, layer, forward_batch, False, *args, **kwargs)
     finally:
         for f, x in zip(_VIEW_FIELDS, saved):
             setattr(meta, f, x)
+        if out is not None:
+            forward_batch._attn_output = out
 
 
 def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
