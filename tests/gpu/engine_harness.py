@@ -63,16 +63,6 @@ def log_dir_or(tmp: Path) -> Path:
     return logs
 
 
-def selected(names: Iterable[str]) -> tuple:
-    """(the engines to run, {name: why skipped}): UNIPREFILL_GPU_TEST_ENGINES (comma-separated
-    names) runs a subset, e.g. a new adapter's engines beside the reference."""
-    names, wanted = list(names), os.environ.get("UNIPREFILL_GPU_TEST_ENGINES")
-    if not wanted:
-        return names, {}
-    keep = [n for n in names if n in wanted.split(",")]
-    return keep, {n: "not in UNIPREFILL_GPU_TEST_ENGINES" for n in names if n not in keep}
-
-
 def run_engines(script: str, names: Iterable[str], model_dir: str, tmp: Path, logs: Path,
                 timeout_s: float, prefix: str, concurrent: bool = True):
     """Run `python script NAME model_dir tmp/NAME.json` for every name; returns (results by

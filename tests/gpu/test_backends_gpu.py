@@ -47,7 +47,7 @@ from engine_harness import (  # noqa: E402
     log_dir_or,
     run_engines,
     idle_state,
-    selected,
+    selected_engines,
 )
 
 VOCAB = 1024
@@ -342,7 +342,7 @@ def results():
     with tempfile.TemporaryDirectory(prefix="uniprefill-gpu-") as tmp:
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model")
-        names, skipped = selected(ENGINES)
+        names, skipped = selected_engines(ENGINES)
         out, failed = run_engines(__file__, names, model_dir, tmp, log_dir_or(tmp), TIMEOUT_S,
                                   prefix="engine_")
         print("workload s: %s" % {n: round(r["workload_s"], 1) for n, r in out.items()})

@@ -32,7 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import (EngineResults, cuda_device_count, log_dir_or,  # noqa: E402
-                            run_engines, selected, serve_and_record, idle_state)
+                            run_engines, selected_engines, serve_and_record, idle_state)
 from test_backends_gpu import _flush, _prompt, _record, build_model  # noqa: E402
 
 ENGINE_KWARGS = dict(
@@ -85,7 +85,7 @@ def results():
         tmp = Path(tmp)
         model_dir = build_model(tmp / "model", qk_std=QK_STD, max_positions=8192)
         # All at once on one GPU: start-up dominates.
-        names, skipped = selected(ENGINES)
+        names, skipped = selected_engines(ENGINES)
         yield EngineResults(*run_engines(__file__, names, model_dir, tmp, log_dir_or(tmp),
                                          TIMEOUT_S, prefix="chunked_engine_"), skipped)
 
