@@ -9,6 +9,12 @@ Public API (installed as ``uniprefill_sglang.kernels``):
   (the Triton launcher, ``positional_triton.positional_attention_triton``, reads no device
   tensor on the host: it can be captured in a CUDA graph; the float64 reference is
   ``positional_reference.positional_attention_reference``)
+* ``block_sparse_attention(q, k, v, mask, block_size, sm_scale, causal=True, q_offset=None)``:
+  one prefill chunk's attention over the key blocks a bool ``mask [Hkv or 1, R, C]`` keeps
+  (the Triton kernel is ``block_sparse_triton.block_sparse_attention_triton``, the float64
+  reference ``block_sparse_reference.block_sparse_attention_reference``); the mask comes from
+  ``block_mask_reference`` (pooled estimate, top_p or fixed density, sink and local blocks)
+  and ``block_density`` is the fraction of causal block pairs it keeps
 
 Dispatch: Triton when the tensors are on CUDA, or when env
 ``UNIPREFILL_FORCE_TRITON=1`` (CPU tensors then need ``TRITON_INTERPRET=1`` set
@@ -25,6 +31,13 @@ import torch
 
 from uniprefill_sglang import environ
 
+from .block_sparse_reference import (
+    block_density,
+    block_lists_from_mask,
+    block_mask_reference,
+    block_mass_estimate,
+    block_sparse_attention_reference,
+)
 from .positional_reference import positional_attention_reference
 from .reference import (
     RATIO_EPS,
@@ -42,8 +55,14 @@ __all__ = [
     "select_tokens",
     "select_token_mask",
     "positional_attention",
+    "block_sparse_attention",
     "use_triton",
     "positional_attention_reference",
+    "block_mask_reference",
+    "block_mass_estimate",
+    "block_density",
+    "block_lists_from_mask",
+    "block_sparse_attention_reference",
     "score_tokens_reference",
     "select_tokens_reference",
     "score_segment_reference",
@@ -212,3 +231,28 @@ def positional_attention(
         out.copy_(res)
         return out
     return res
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    block_size: int,
+    sm_scale: float,
+    causal: bool = True,
+    q_offset: Optional[int] = None,
+) -> torch.Tensor:
+    """One request's prefill chunk attending only to the key blocks ``mask`` keeps.
+
+    q [n_q, Hq, D], k [n_k, Hkv, D], v [n_k, Hkv, Dv]; query i sits at key position
+    q_offset + i (default n_k - n_q); mask bool [Hkv or 1, R, C] over blocks of block_size
+    aligned on key positions (see block_sparse_reference.py).  Returns [n_q, Hq, Dv] in q's
+    dtype.  The Triton path needs a power-of-two block_size >= 16.
+    """
+    if use_triton(q.device):
+        from .block_sparse_triton import block_sparse_attention_triton
+
+        return block_sparse_attention_triton(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset)
+    return block_sparse_attention_reference(q, k, v, mask, block_size, sm_scale, causal=causal,
+                                            q_offset=q_offset).to(q.dtype)
