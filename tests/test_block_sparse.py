@@ -1,0 +1,414 @@
+"""CPU tests of block-sparse prefill attention: the estimate's mask, the float64 reference and the
+Triton kernel (under the interpreter: tests/triton_interpreter.py, imported first, decides
+whether this process runs it or ``test_cpu_suite_in_subprocess`` re-runs the file).
+
+Inputs are fresh random tensors of several seeds; the dense oracle is torch's
+scaled_dot_product_attention in float64 with an explicit bottom-right causal mask.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
+
+import uniprefill_sglang.kernels as K  # noqa: E402
+from uniprefill_sglang.kernels.block_sparse_reference import (  # noqa: E402
+    block_density,
+    block_grid,
+    block_lists_from_mask,
+    block_mask_reference,
+    block_mass_estimate,
+    block_sparse_attention_reference,
+    causal_block_pairs,
+    forced_blocks,
+)
+from uniprefill_sglang.kernels.reference import num_blocks_for_ratio  # noqa: E402
+
+# the interpreter converts 1-element arrays with int(): numpy DeprecationWarning noise
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+# (n_q, n_k, Hq, Hkv, q_offset): GQA and MHA, a chunk after a prefix (n_q < n_k) and a whole
+# prompt (n_q == n_k), lengths off the block size, a chunk starting mid-block, queries that are
+# not the last keys
+SHAPES = [
+    (37, 70, 4, 2, None),
+    (50, 50, 2, 2, None),
+    (21, 90, 6, 2, 40),
+    (33, 33, 4, 1, None),
+    (16, 80, 2, 1, 48),
+]
+SEEDS = [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_cpu_suite_in_subprocess():
+    if RUN_IN_PROCESS:
+        pytest.skip("interpreter tests run in this process")
+    run_file_in_subprocess(__file__)
+
+
+@pytest.fixture(scope="module")
+def bst():
+    """The Triton module, imported in interpreter mode."""
+    if not RUN_IN_PROCESS:
+        pytest.skip(SKIP_REASON)
+    mod = importlib.import_module(f"{K.__name__}.block_sparse_triton")
+    assert mod.INTERPRETED, "Triton interpreter mode is not active"
+    return mod
+
+
+def make_qkv(seed, n_q, n_k, hq, hkv, d=32, dv=None, dtype=torch.float32, q_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    q = (torch.randn(n_q, hq, d, generator=g) * q_scale).to(dtype)
+    k = torch.randn(n_k, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n_k, hkv, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def dense_causal(q, k, v, sm_scale, q_offset=None):
+    """Dense causal attention in float64 (torch's SDPA), queries bottom-right aligned."""
+    n_q, hq, _ = q.shape
+    n_k, hkv, _ = k.shape
+    q_offset = n_k - n_q if q_offset is None else q_offset
+    g = hq // hkv
+    qq = q.double().transpose(0, 1)
+    kk = k.double().repeat_interleave(g, 1).transpose(0, 1)
+    vv = v.double().repeat_interleave(g, 1).transpose(0, 1)
+    allowed = torch.arange(n_k)[None, :] <= (q_offset + torch.arange(n_q))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, scale=sm_scale)
+    return out.transpose(0, 1)
+
+
+def assert_close(got, ref, rtol, atol_rel):
+    assert torch.isfinite(got).all(), "non-finite output"
+    got, ref = got.double(), ref.double()
+    err = (got - ref).abs()
+    bound = atol_rel * max(1.0, float(ref.abs().max())) + rtol * ref.abs()
+    bad = err > bound
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float(err.max()):.3e}"
+
+
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def random_mask(seed, heads, n_q, n_k, block_size, q_offset, p=0.4, keep_diagonal=True):
+    a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
+    g = torch.Generator().manual_seed(seed + 7919)
+    mask = torch.rand(heads, nr, nc, generator=g) < p
+    if keep_diagonal:
+        mask[:, torch.arange(nr), a0 + torch.arange(nr)] = True
+    return mask
+
+
+# ---------------------------------------------------------------------------
+# (a) every block kept = dense causal attention
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+def test_reference_all_blocks_is_dense(seed, shape, block_size):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, v = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=2.0)
+    _, nr, nc = block_grid(n_q, n_k, block_size, off)
+    ref = dense_causal(q, k, v, 0.2, off)
+    for mask in (torch.ones(hkv, nr, nc, dtype=torch.bool),  # future blocks too: the token mask
+                 causal_block_pairs(n_q, n_k, block_size, off)[None]):  # shared, causal blocks only
+        got = block_sparse_attention_reference(q, k, v, mask, block_size, 0.2, q_offset=off, row_chunk=7)
+        assert_close(got, ref, 1e-12, 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_all_blocks_is_dense(bst, shape, dtype):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, v = make_qkv(11, n_q, n_k, hq, hkv, dtype=dtype)
+    _, nr, nc = block_grid(n_q, n_k, 16, off)
+    mask = torch.ones(hkv, nr, nc, dtype=torch.bool)
+    got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 32 ** -0.5, q_offset=off)
+    assert got.dtype == dtype
+    assert_close(got, dense_causal(q, k, v, 32 ** -0.5, off), *TOL[dtype])
+
+
+# ---------------------------------------------------------------------------
+# (b) the Triton kernel matches the reference
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_random_masks(bst, shape, dtype):
+    n_q, n_k, hq, hkv, off = shape
+    for seed, shared in ((3, False), (4, True)):
+        q, k, v = make_qkv(seed, n_q, n_k, hq, hkv, dtype=dtype, q_scale=1.5)
+        mask = random_mask(seed, 1 if shared else hkv, n_q, n_k, 16, off)
+        out = torch.full((n_q, hq, 32), float("nan"), dtype=dtype)  # every row must be written
+        got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 32 ** -0.5, q_offset=off, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        ref = block_sparse_attention_reference(q, k, v, mask, 16, 32 ** -0.5, q_offset=off)
+        assert_close(got, ref, *TOL[dtype])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("select", [dict(top_p=0.6), dict(density=0.3), dict(top_p=0.9, per_kv_head=False)])
+def test_triton_estimate_masks(bst, shape, select):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, v = make_qkv(5, n_q, n_k, hq, hkv, dtype=torch.bfloat16, q_scale=3.0)
+    mask = block_mask_reference(q, k, 16, q_offset=off, sink_blocks=1, local_blocks=2, **select)
+    got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 32 ** -0.5, q_offset=off)
+    ref = block_sparse_attention_reference(q, k, v, mask, 16, 32 ** -0.5, q_offset=off)
+    assert_close(got, ref, *TOL[torch.bfloat16])
+
+
+def test_triton_strided_inputs_block_32_and_non_causal(bst):
+    """q, k, v as column slices of one fused projection; a 32 block; causal off (mask as is);
+    a value head dim unlike the key's."""
+    g = torch.Generator().manual_seed(9)
+    n_q, n_k, hq, hkv, d, dv = 40, 100, 4, 2, 32, 16
+    qkv = torch.randn(n_k, hq * d + hkv * d + hkv * dv, generator=g, dtype=torch.float16)
+    q = qkv[n_k - n_q:, :hq * d].view(n_q, hq, d)
+    k = qkv[:, hq * d:hq * d + hkv * d].view(n_k, hkv, d)
+    v = qkv[:, hq * d + hkv * d:].view(n_k, hkv, dv)
+    assert not q.is_contiguous()
+    for causal in (True, False):
+        mask = random_mask(9, hkv, n_q, n_k, 32, None, p=0.5)
+        got = bst.block_sparse_attention_triton(q, k, v, mask, 32, 0.3, causal=causal)
+        ref = block_sparse_attention_reference(q, k, v, mask, 32, 0.3, causal=causal)
+        assert_close(got, ref, *TOL[torch.float16])
+
+
+def test_public_dispatch(bst, monkeypatch):
+    q, k, v = make_qkv(13, 37, 70, 4, 2, dtype=torch.float16)
+    mask = block_mask_reference(q, k, 16, top_p=0.8)
+    monkeypatch.setenv("UNIPREFILL_FORCE_TRITON", "1")
+    monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE", raising=False)
+    tri = K.block_sparse_attention(q, k, v, mask, 16, 0.2)
+    monkeypatch.setenv("UNIPREFILL_FORCE_REFERENCE", "1")
+    ref = K.block_sparse_attention(q, k, v, mask, 16, 0.2)
+    assert tri.dtype == ref.dtype == torch.float16
+    assert_close(tri, block_sparse_attention_reference(q, k, v, mask, 16, 0.2), *TOL[torch.float16])
+    assert_close(ref, block_sparse_attention_reference(q, k, v, mask, 16, 0.2), 1e-3, 1e-3)
+
+
+# ---------------------------------------------------------------------------
+# (c) the estimate and the mask's invariants
+# ---------------------------------------------------------------------------
+
+
+def exact_probs(q, k, sm_scale, q_offset=None):
+    """[Hq, n_q, n_k] causal attention probabilities in float64."""
+    n_q, hq, _ = q.shape
+    n_k, hkv, _ = k.shape
+    q_offset = n_k - n_q if q_offset is None else q_offset
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(hq // hkv, 1)) * sm_scale
+    allowed = torch.arange(n_k)[None, :] <= (q_offset + torch.arange(n_q))[:, None]
+    return torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_estimate_with_unit_blocks_is_exact_attention(seed, shape):
+    """Pooling one token is the token: the estimate is the attention, averaged over the group."""
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=2.0)
+    probs = exact_probs(q, k, 0.25, off)
+    a0 = n_k - n_q if off is None else off
+    est = block_mass_estimate(q, k, 1, sm_scale=0.25, q_offset=off)
+    want = probs.reshape(hkv, hq // hkv, n_q, n_k).mean(1)
+    assert torch.allclose(est, want, rtol=1e-12, atol=1e-14)
+    shared = block_mass_estimate(q, k, 1, sm_scale=0.25, q_offset=off, per_kv_head=False)
+    assert torch.allclose(shared[0], probs.mean(0), rtol=1e-12, atol=1e-14)
+    assert a0 + n_q <= n_k
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_estimate_rows_are_distributions(seed, shape, block_size):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=3.0)
+    est = block_mass_estimate(q, k, block_size, q_offset=off)
+    causal = causal_block_pairs(n_q, n_k, block_size, off)
+    assert est.dtype == torch.float64 and torch.isfinite(est).all()
+    assert (est[:, ~causal] == 0).all()
+    assert torch.allclose(est.sum(-1), torch.ones_like(est.sum(-1)), atol=1e-12)
+
+
+SELECTIONS = [dict(top_p=0.3), dict(top_p=0.9), dict(density=0.1), dict(density=0.5), dict(density=1.0)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("select", SELECTIONS)
+@pytest.mark.parametrize("sink,local,last", [(0, 1, 0), (1, 2, 0), (2, 3, 1)])
+def test_mask_invariants(seed, shape, select, sink, local, last):
+    n_q, n_k, hq, hkv, off = shape
+    bs = 8
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=2.0)
+    mask = block_mask_reference(q, k, bs, sink_blocks=sink, local_blocks=local, last_blocks=last,
+                                q_offset=off, **select)
+    a0, nr, nc = block_grid(n_q, n_k, bs, off)
+    assert mask.dtype == torch.bool and mask.shape == (hkv, nr, nc)
+    causal = causal_block_pairs(n_q, n_k, bs, off)
+    assert not (mask & ~causal).any(), "a block entirely in the future is kept"
+    for r in range(nr):
+        diag = a0 + r
+        assert mask[:, r, max(0, diag - local + 1):diag + 1].all(), "a local block is dropped"
+        assert mask[:, r, :min(sink, diag + 1)].all(), "a sink block is dropped"
+        if r >= nr - last:
+            assert mask[:, r, :diag + 1].all(), "a last query block is not dense"
+    if "density" in select:
+        forced = forced_blocks(n_q, n_k, bs, sink, local, last, off)
+        n_causal = causal.sum(-1)
+        for r in range(nr):
+            want = max(int(forced[r].sum()), num_blocks_for_ratio(select["density"], int(n_causal[r])))
+            assert (mask[:, r].sum(-1) == want).all(), (r, mask[:, r].sum(-1), want)
+        assert block_density(mask, n_q, n_k, bs, off) >= select["density"] - 1e-12
+    else:
+        est = block_mass_estimate(q, k, bs, q_offset=off)
+        kept_mass = (est * mask).sum(-1)
+        assert (kept_mass >= select["top_p"] - 1e-12).all()
+        # smallest: without its lightest estimate-chosen block, a row falls short of top_p
+        forced = forced_blocks(n_q, n_k, bs, sink, local, last, off).expand_as(mask)
+        chosen = mask & ~forced
+        for h, r in zip(*torch.nonzero(chosen.any(-1), as_tuple=True)):
+            lightest = est[h, r][chosen[h, r]].min()
+            assert kept_mass[h, r] - lightest < select["top_p"]
+
+
+def test_density_rounding():
+    """ceil(density * causal blocks), at least one, with a slack for a density given in fp32."""
+    n_k = 160  # 10 blocks of 16; the last query block has 10 causal blocks
+    q, k, _ = make_qkv(0, 16, n_k, 2, 2)
+    d32 = float(torch.tensor(0.3, dtype=torch.float32))  # 0.30000001192...
+    for density, want in ((0.3, 3), (d32, 3), (0.31, 4), (0.01, 1), (1.0, 10)):
+        mask = block_mask_reference(q, k, 16, density=density, sink_blocks=0, local_blocks=1)
+        assert (mask.sum(-1) == want).all(), (density, mask.sum(-1))
+        assert block_density(mask, 16, n_k, 16) == pytest.approx(want / 10)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_top_p_one_keeps_every_causal_block_and_grows_with_top_p(seed, shape):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=3.0)
+    causal = causal_block_pairs(n_q, n_k, 8, off)
+    full = block_mask_reference(q, k, 8, top_p=1.0, sink_blocks=0, q_offset=off)
+    assert torch.equal(full, causal.expand_as(full))
+    assert block_density(full, n_q, n_k, 8, off) == 1.0
+    prev = None
+    for p in (0.1, 0.4, 0.7, 0.95, 1.0):
+        m = block_mask_reference(q, k, 8, top_p=p, sink_blocks=0, q_offset=off)
+        if prev is not None:
+            assert not (prev & ~m).any(), "a larger top_p dropped a block"
+        prev = m
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_peaked_input_keeps_few_blocks(seed):
+    """Every query points at one key block: from it on, top_p < 1 keeps it and the forced blocks
+    only (the rows before it see near-uniform blocks and keep them all)."""
+    g = torch.Generator().manual_seed(seed)
+    n, hq, hkv, d, bs = 128, 4, 2, 32, 16
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    q = 0.1 * torch.randn(n, hq, d, generator=g) + 6.0 * u
+    k = 0.1 * torch.randn(n, hkv, d, generator=g)
+    hot = 3
+    k[hot * bs:(hot + 1) * bs] += 6.0 * u
+    mask = block_mask_reference(q, k, bs, top_p=0.9, sink_blocks=1, local_blocks=1)
+    causal = causal_block_pairs(n, n, bs)
+    forced = forced_blocks(n, n, bs, 1, 1)
+    assert mask[:, hot:, hot].all(), "the hot block is dropped"
+    want = forced.clone()
+    want[hot:, hot] = True
+    want[:hot] = causal[:hot]
+    assert torch.equal(mask, want.expand_as(mask))
+    assert int(mask.sum()) < int(causal.sum()) * hkv
+    assert block_density(mask, n, n, bs) < 0.6
+
+
+def test_block_lists_round_trip():
+    mask = random_mask(1, 3, 50, 120, 16, None, p=0.3, keep_diagonal=False)
+    indptr, indices = block_lists_from_mask(mask)
+    assert indptr.dtype == indices.dtype == torch.int32
+    assert indptr[0] == 0 and indptr[-1] == mask.sum() == indices.numel()
+    rebuilt = torch.zeros_like(mask).reshape(-1, mask.shape[2])
+    for row in range(rebuilt.shape[0]):
+        cols = indices[indptr[row]:indptr[row + 1]].long()
+        assert (cols[1:] > cols[:-1]).all()
+        rebuilt[row, cols] = True
+    assert torch.equal(rebuilt.reshape(mask.shape), mask)
+
+
+# ---------------------------------------------------------------------------
+# (d) NaN never passes
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_large_logits_and_empty_rows_stay_finite(bst, dtype):
+    n_q, n_k, hq, hkv, off = 37, 70, 4, 2, None
+    q, k, v = make_qkv(21, n_q, n_k, hq, hkv, dtype=dtype, q_scale=40.0)  # logits in the hundreds
+    mask = block_mask_reference(q, k, 16, top_p=0.5)
+    got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 32 ** -0.5)
+    ref = block_sparse_attention_reference(q, k, v, mask, 16, 32 ** -0.5)
+    assert torch.isfinite(ref).all()
+    assert_close(got, ref, *TOL[dtype])
+    # a hand-made mask with an empty row (the estimate never makes one): zeros, not NaN
+    empty = random_mask(2, hkv, n_q, n_k, 16, off)
+    empty[0, 1] = False
+    got = bst.block_sparse_attention_triton(q, k, v, empty, 16, 32 ** -0.5)
+    ref = block_sparse_attention_reference(q, k, v, empty, 16, 32 ** -0.5)
+    a0 = (n_k - n_q) // 16
+    rows = ((n_k - n_q + torch.arange(n_q)) // 16 - a0) == 1
+    assert (ref[rows, :hq // hkv] == 0).all() and (got[rows, :hq // hkv] == 0).all()
+    assert_close(got, ref, *TOL[dtype])
+
+
+def test_estimate_never_masks_a_row():
+    for seed in SEEDS:
+        for n_q, n_k, hq, hkv, off in SHAPES:
+            q, k, v = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=50.0)
+            mask = block_mask_reference(q, k, 16, density=0.01, sink_blocks=0, q_offset=off)
+            out = block_sparse_attention_reference(q, k, v, mask, 16, 32 ** -0.5, q_offset=off)
+            assert torch.isfinite(out).all()
+            assert (out.abs().sum(-1) > 0).all(), "a query row read no key"
+
+
+# ---------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused(bst):
+    q, k, v = make_qkv(0, 37, 70, 4, 2)
+    mask = block_mask_reference(q, k, 16, top_p=0.9)
+    bad = [
+        lambda: block_mask_reference(q, k, 16),  # neither top_p nor density
+        lambda: block_mask_reference(q, k, 16, top_p=0.9, density=0.5),
+        lambda: block_mask_reference(q, k, 16, density=0.0),
+        lambda: block_mask_reference(q, k, 16, density=1.5),
+        lambda: block_mask_reference(q, k, 16, top_p=0.0),
+        lambda: block_mask_reference(q, k, 16, top_p=0.9, local_blocks=0),
+        lambda: block_mask_reference(q, k, 16, top_p=0.9, sink_blocks=-1),
+        lambda: block_mask_reference(q, k, 0, top_p=0.9),
+        lambda: block_mask_reference(q, k, 16, top_p=0.9, q_offset=40),  # 40 + 37 > 70
+        lambda: block_mask_reference(k, q, 16, top_p=0.9),  # more queries than keys
+        lambda: block_mask_reference(q[:, :3], k, 16, top_p=0.9),  # 3 heads over 2 kv heads
+        lambda: block_sparse_attention_reference(q, k, v, mask[:, 1:], 16, 0.2),
+        lambda: block_sparse_attention_reference(q, k, v, mask.int(), 16, 0.2),
+        lambda: block_sparse_attention_reference(q, k, v, torch.cat([mask, mask[:1]]), 16, 0.2),
+        lambda: bst.block_sparse_attention_triton(q, k, v, block_mask_reference(q, k, 8, top_p=0.9), 8, 0.2),
+        lambda: bst.block_sparse_attention_triton(q, k.half(), v, mask, 16, 0.2),
+        lambda: bst.block_sparse_attention_triton(q, k, v[:, :1], mask, 16, 0.2),
+    ]
+    for i, call in enumerate(bad):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"bad input {i} accepted")
