@@ -47,12 +47,18 @@ Integration notes (the engine's side, not done here):
 * chunked prefill: the prefix's keys are the mask's first columns (``q_offset`` = prefix
   length); the radix cache's prefix KV is complete, so nothing a later request reads is lost;
 * the staged layout: a later stage's survivors attend over that stage's KV, whose positions are
-  no longer contiguous; blocks are then cut over the stage's entries, not positions;
+  no longer contiguous; blocks are then cut over the stage's entries, not positions (entries
+  keep position order, so the causal mask carries over);
 * kernels: on Hopper prefer FlashInfer's ``VariableBlockSparseAttentionWrapper`` (a
   ``block_mask_map`` per KV head, row and column block sizes per head, so a partial first
-  query block fits) or ``BlockSparseAttentionWrapper`` (one BSR layout for all heads: the
-  shared mask) with ``block_lists_from_mask``'s CSR; ``block_sparse_triton`` is the portable
-  kernel.  Sliding-window layers stay dense.
+  query block is a shorter row) or ``BlockSparseAttentionWrapper`` (one BSR layout for every
+  head, i.e. the shared mask, and rows of one size, i.e. ``q_offset % B == 0``) fed with
+  ``block_lists_from_mask``'s CSR; ``block_sparse_triton`` is the portable kernel.  Those
+  wrappers gather each row's kept key blocks and apply ``causal`` bottom-right over the
+  gathered keys; with blocks aligned on key positions that is the true mask, since a row's
+  last gathered block is its diagonal and ends at its last query (bottom-right chunk).  Check
+  a wrapper's answer against ``block_sparse_attention_reference`` before trusting it.
+  Sliding-window layers stay dense.
 """
 
 from __future__ import annotations
@@ -274,7 +280,7 @@ def block_lists_from_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
     One host sync (``nonzero``)."""
     if mask.dtype != torch.bool or mask.dim() != 3:
         raise ValueError(f"mask must be bool [H, R, C], got {mask.dtype} {tuple(mask.shape)}")
-    rows = mask.reshape(-1, mask.shape[2])
+    rows = mask.reshape(mask.shape[0] * mask.shape[1], mask.shape[2])
     indptr = torch.zeros(rows.shape[0] + 1, dtype=torch.int32, device=mask.device)
     indptr[1:] = torch.cumsum(rows.sum(-1), 0)
     indices = rows.nonzero()[:, 1].to(torch.int32)  # row-major: rows in order, columns ascending

@@ -119,7 +119,7 @@ def block_sparse_attention_from_lists(
     causal: bool = True,
     q_offset: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
-    num_warps: int = 4,
+    num_warps: Optional[int] = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Block-sparse attention from CSR key-block lists (``block_lists_from_mask``).
@@ -128,6 +128,7 @@ def block_sparse_attention_from_lists(
     bf16) on one device; ``mask_heads`` is the mask's head count (Hkv or 1); block_indptr int32
     ``[mask_heads * R + 1]``, block_indices int32 key-block indices < ``ceil(n_k / block_size)``
     (not checked on the device).  out: optional ``[n_q, Hq, Dv]`` in q's dtype.
+    num_warps (default 4, 8 from 128-row blocks) and num_stages are GPU tuning knobs.
     Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
     """
     n_q, n_k, hq, hkv = _check_qk(q, k)
@@ -153,6 +154,8 @@ def block_sparse_attention_from_lists(
     # The interpreter multiplies bf16 tiles as raw 16-bit patterns: upcast there.
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     prec = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
+    if num_warps is None:
+        num_warps = 8 if block_size >= 128 else 4
     extra = dict(num_warps=num_warps, num_stages=num_stages) if q.device.type == "cuda" else {}
     d = q.shape[2]
     _block_sparse_attention_kernel[(nr, hq)](

@@ -87,7 +87,8 @@ def assert_close(got, ref, rtol, atol_rel):
     assert torch.isfinite(got).all(), "non-finite output"
     got, ref = got.double(), ref.double()
     err = (got - ref).abs()
-    bound = atol_rel * max(1.0, float(ref.abs().max())) + rtol * ref.abs()
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    bound = atol_rel * max(1.0, scale) + rtol * ref.abs()
     bad = err > bound
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} off; worst {float(err.max()):.3e}"
 
@@ -180,6 +181,31 @@ def test_triton_strided_inputs_block_32_and_non_causal(bst):
         got = bst.block_sparse_attention_triton(q, k, v, mask, 32, 0.3, causal=causal)
         ref = block_sparse_attention_reference(q, k, v, mask, 32, 0.3, causal=causal)
         assert_close(got, ref, *TOL[torch.float16])
+
+
+def test_triton_block_64_longer_chunk(bst):
+    """The GPU's block size: a 64-row query tile, D = 64, a chunk after a 100-key prefix."""
+    q, k, v = make_qkv(17, 150, 250, 4, 1, d=64, dtype=torch.bfloat16, q_scale=2.0)
+    for select in (dict(density=0.5), dict(top_p=0.8)):
+        mask = block_mask_reference(q, k, 64, sink_blocks=1, local_blocks=1, **select)
+        got = bst.block_sparse_attention_triton(q, k, v, mask, 64, 0.125)
+        assert_close(got, block_sparse_attention_reference(q, k, v, mask, 64, 0.125), *TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("n_q,n_k", [(0, 0), (0, 5), (1, 1), (3, 3), (2, 40)])
+def test_tiny_and_empty_chunks(bst, n_q, n_k):
+    q, k, v = make_qkv(19, n_q, n_k, 2, 1, d=16)
+    for select in (dict(top_p=0.5), dict(density=0.5)):
+        mask = block_mask_reference(q, k, 16, **select)
+        a0, nr, nc = block_grid(n_q, n_k, 16)
+        assert mask.shape == (1, nr, nc)
+        assert 0.0 < block_density(mask, n_q, n_k, 16) <= 1.0
+        ref = block_sparse_attention_reference(q, k, v, mask, 16, 0.25)
+        got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 0.25)
+        assert ref.shape == got.shape == (n_q, 2, 16)
+        assert_close(got, ref, *TOL[torch.float32])
+        if n_k <= 16:  # a single causal block, always kept: dense
+            assert_close(ref, dense_causal(q, k, v, 0.25), 1e-12, 1e-12)
 
 
 def test_public_dispatch(bst, monkeypatch):
