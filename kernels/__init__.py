@@ -254,5 +254,5 @@ def block_sparse_attention(
         from .block_sparse_triton import block_sparse_attention_triton
 
         return block_sparse_attention_triton(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset)
-    return block_sparse_attention_reference(q, k, v, mask, block_size, sm_scale, causal=causal,
-                                            q_offset=q_offset).to(q.dtype)
+    return block_sparse_attention_reference(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset,
+                                            compute_dtype=torch.float32).to(q.dtype)

@@ -63,7 +63,6 @@ Integration notes (the engine's side, not done here):
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -120,7 +119,7 @@ def _pool_rows(x: torch.Tensor, first_pos: int, block_size: int, n_blocks: int, 
     return (sums / counts[:, None, None]).transpose(0, 1)
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:
+def check_qk_shapes(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [tokens, heads, dim], got {tuple(q.shape)} and {tuple(k.shape)}")
     n_q, hq, d = q.shape
@@ -144,7 +143,7 @@ def block_mass_estimate(
 
     Returns float64 ``[Hkv or 1, R, C]``; each row sums to 1 over its causal blocks, 0 elsewhere.
     """
-    n_q, n_k, hq, hkv = _check_qk(q, k)
+    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
     q_offset = resolve_q_offset(n_q, n_k, q_offset)
     if sm_scale is None:
@@ -247,7 +246,7 @@ def block_mask_reference(
 
     q ``[n_q, Hq, D]`` and k ``[n_k, Hkv, D]`` post-RoPE; sm_scale defaults to ``D ** -0.5``.
     """
-    n_q, n_k, _, _ = _check_qk(q, k)
+    n_q, n_k, _, _ = check_qk_shapes(q, k)
     mass = block_mass_estimate(q, k, block_size, sm_scale, q_offset, per_kv_head)
     forced = forced_blocks(n_q, n_k, block_size, sink_blocks, local_blocks, last_blocks, q_offset)
     causal = causal_block_pairs(n_q, n_k, block_size, q_offset)
@@ -259,14 +258,14 @@ def block_density(mask: torch.Tensor, n_q: int, n_k: int, block_size: int,
     """Fraction of the causal (head, query block, key block) pairs the mask keeps (1.0 when
     there are none); what a request reports as its block-sparse density."""
     causal = causal_block_pairs(n_q, n_k, block_size, q_offset)
-    _check_mask(mask, causal.shape)
+    check_block_mask(mask, causal.shape)
     total = int(causal.sum()) * mask.shape[0]
     if total == 0:
         return 1.0
     return float((mask.cpu() & causal).sum()) / total
 
 
-def _check_mask(mask: torch.Tensor, grid: Tuple[int, int], hkv: Optional[int] = None) -> None:
+def check_block_mask(mask: torch.Tensor, grid: Tuple[int, int], hkv: Optional[int] = None) -> None:
     if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[1:]) != tuple(grid):
         raise ValueError(f"mask must be bool [H, {grid[0]}, {grid[1]}], got {mask.dtype} {tuple(mask.shape)}")
     if hkv is not None and mask.shape[0] not in (1, hkv):
@@ -297,30 +296,31 @@ def block_sparse_attention_reference(
     causal: bool = True,
     q_offset: Optional[int] = None,
     row_chunk: int = 256,
+    compute_dtype: torch.dtype = F64,
 ) -> torch.Tensor:
     """Exact attention of the chunk's queries over the key blocks ``mask`` keeps, in float64.
 
     mask ``[Hkv or 1, R, C]`` bool as ``block_mask_reference`` returns it; query ``i`` reads key
     ``t`` iff its mask row keeps ``t``'s block and, when ``causal``, ``t <= q_offset + i`` (the
-    token-level mask inside diagonal blocks).  Returns float64 ``[n_q, Hq, Dv]``; a row that
-    reads no key is zero.  ``row_chunk`` query rows are done at a time (memory
-    ``Hq * row_chunk * n_k`` floats).
+    token-level mask inside diagonal blocks).  Returns ``[n_q, Hq, Dv]`` in ``compute_dtype``
+    (float64 for an oracle; float32 is the CPU production path's); a row that reads no key is
+    zero.  ``row_chunk`` query rows are done at a time (memory ``Hq * row_chunk * n_k`` floats).
     """
-    n_q, n_k, hq, hkv = _check_qk(q, k)
+    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
     if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v must be [n_k, Hkv, Dv] like k, got {tuple(v.shape)} and {tuple(k.shape)}")
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
     q_offset = resolve_q_offset(n_q, n_k, q_offset)
-    _check_mask(mask, (nr, nc), hkv)
+    check_block_mask(mask, (nr, nc), hkv)
     group = hq // hkv
     mask = mask.to(q.device)
     mask_head = torch.arange(hq, device=q.device) // group if mask.shape[0] == hkv else \
         torch.zeros(hq, dtype=torch.long, device=q.device)
-    keys = k.to(F64).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_k, D]
-    values = v.to(F64).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_k, Dv]
+    keys = k.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_k, D]
+    values = v.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n_k, Dv]
     key_pos = torch.arange(n_k, device=q.device)
     key_block = key_pos // block_size
-    out = torch.zeros(n_q, hq, v.shape[2], dtype=F64, device=q.device)
+    out = torch.zeros(n_q, hq, v.shape[2], dtype=compute_dtype, device=q.device)
     for i0 in range(0, n_q, row_chunk):
         i1 = min(n_q, i0 + row_chunk)
         qpos = q_offset + torch.arange(i0, i1, device=q.device)
@@ -328,7 +328,7 @@ def block_sparse_attention_reference(
         allowed = rows[mask_head]  # [Hq, m, n_k]
         if causal:
             allowed = allowed & (key_pos[None, :] <= qpos[:, None])[None]
-        logits = torch.matmul(q[i0:i1].to(F64).transpose(0, 1), keys.transpose(1, 2)) * float(sm_scale)
+        logits = torch.matmul(q[i0:i1].to(compute_dtype).transpose(0, 1), keys.transpose(1, 2)) * float(sm_scale)
         logits = logits.masked_fill(~allowed, float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))

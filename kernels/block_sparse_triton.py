@@ -26,7 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_reference import _check_mask, _check_qk, block_grid, block_lists_from_mask, resolve_q_offset
+from .block_sparse_reference import (
+    block_grid,
+    block_lists_from_mask,
+    check_block_mask,
+    check_qk_shapes,
+    resolve_q_offset,
+)
 
 
 @triton.jit
@@ -131,7 +137,7 @@ def block_sparse_attention_from_lists(
     num_warps (default 4, 8 from 128-row blocks) and num_stages are GPU tuning knobs.
     Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
     """
-    n_q, n_k, hq, hkv = _check_qk(q, k)
+    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
     if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v must be [n_k, Hkv, Dv] like k, got {tuple(v.shape)} and {tuple(k.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -186,9 +192,9 @@ def block_sparse_attention_triton(
 ) -> torch.Tensor:
     """``block_sparse_attention_reference``'s answer in q's dtype, from the bool mask
     ``[Hkv or 1, R, C]`` (one host sync to build the lists)."""
-    n_q, n_k, _, hkv = _check_qk(q, k)
+    n_q, n_k, _, hkv = check_qk_shapes(q, k)
     _, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
-    _check_mask(mask, (nr, nc), hkv)
+    check_block_mask(mask, (nr, nc), hkv)
     indptr, indices = block_lists_from_mask(mask.to(q.device))
     return block_sparse_attention_from_lists(q, k, v, indptr, indices, mask.shape[0], block_size, sm_scale,
                                              causal=causal, q_offset=q_offset, out=out)
