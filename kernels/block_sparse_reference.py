@@ -67,7 +67,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import num_blocks_for_ratio
+from .reference import RATIO_EPS
 
 F64 = torch.float64
 
@@ -218,9 +218,10 @@ def select_blocks(
         mass_before = torch.cumsum(sorted_mass, -1) - sorted_mass
         keep_sorted = causal_sorted & (mass_before < float(top_p))
     else:
-        n_causal = causal[0].sum(-1).tolist()
-        target = torch.tensor([num_blocks_for_ratio(float(density), n) for n in n_causal],
-                              dtype=torch.long, device=device)
+        # reference.num_blocks_for_ratio on every row at once (the same float64 arithmetic)
+        n_causal = causal[0].sum(-1).to(F64)
+        target = torch.ceil(float(density) * n_causal * (1.0 - RATIO_EPS))
+        target = torch.minimum(target.clamp_min(1.0), n_causal).long()
         rank = torch.arange(nc, device=device)
         keep_sorted = causal_sorted & (rank[None, None, :] < target[None, :, None])
     keep = torch.zeros_like(causal)

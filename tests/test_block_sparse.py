@@ -356,6 +356,30 @@ def test_peaked_input_keeps_few_blocks(seed):
     assert block_density(mask, n, n, bs) < 0.6
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_estimate_finds_planted_blocks(seed):
+    """Each query block of each KV group attends to one far key block picked at random: the
+    top_p mask keeps most of the exact attention mass at a low density, and the hot blocks."""
+    g = torch.Generator().manual_seed(100 + seed)
+    n_q, n_k, hq, hkv, d, bs = 96, 256, 4, 2, 32, 16
+    off = n_k - n_q
+    a0, nr, nc = block_grid(n_q, n_k, bs)
+    dirs = torch.nn.functional.normalize(torch.randn(hkv, nc, d, generator=g), dim=-1)
+    k = 0.3 * torch.randn(n_k, hkv, d, generator=g) + 8.0 * dirs.repeat_interleave(bs, 1).transpose(0, 1)
+    hot = torch.stack([torch.randint(0, a0 + r, (hkv,), generator=g) for r in range(nr)], 1)  # [Hkv, R]
+    q = 0.3 * torch.randn(n_q, hq, d, generator=g)
+    rows = (off + torch.arange(n_q)) // bs - a0
+    for h in range(hq):
+        q[:, h] += 8.0 * dirs[h // (hq // hkv), hot[h // (hq // hkv), rows]]
+    mask = block_mask_reference(q, k, bs, top_p=0.9, sink_blocks=1, local_blocks=1)
+    assert mask[torch.arange(hkv)[:, None], torch.arange(nr)[None, :], hot].all(), "a planted block is dropped"
+    assert block_density(mask, n_q, n_k, bs) < 0.3
+    probs = exact_probs(q, k, d ** -0.5)  # [Hq, n_q, n_k]
+    token_mask = mask[:, rows][:, :, torch.arange(n_k) // bs].repeat_interleave(hq // hkv, 0)
+    kept = (probs * token_mask).sum(-1)
+    assert float(kept.mean()) > 0.98 and float(kept.min()) > 0.9, (float(kept.mean()), float(kept.min()))
+
+
 def test_block_lists_round_trip():
     mask = random_mask(1, 3, 50, 120, 16, None, p=0.3, keep_diagonal=False)
     indptr, indices = block_lists_from_mask(mask)
