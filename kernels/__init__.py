@@ -11,8 +11,9 @@ Public API (installed as ``uniprefill_sglang.kernels``):
   ``positional_reference.positional_attention_reference``)
 * ``block_sparse_attention(q, k, v, mask, block_size, sm_scale, causal=True, q_offset=None)``:
   one prefill chunk's attention over the key blocks a bool ``mask [Hkv or 1, R, C]`` keeps
-  (the Triton kernel is ``block_sparse_triton.block_sparse_attention_triton``, the float64
-  reference ``block_sparse_reference.block_sparse_attention_reference``); the mask comes from
+  (the Triton kernel is ``block_sparse_triton.block_sparse_attention_triton``, the reference
+  ``block_sparse_reference.block_sparse_attention_reference``, run in float32 as the CPU
+  path and in float64 as the oracle); the mask comes from
   ``block_mask_reference`` (pooled estimate, top_p or fixed density, sink and local blocks)
   and ``block_density`` is the fraction of causal block pairs it keeps
 

@@ -21,17 +21,17 @@ number of the block's keys the query block may see (a block's mass is then that 
 each scored as the pooled key) go through a softmax over the causal key blocks; the heads of a
 KV group average their distributions.  With ``block_size = 1`` it is the exact attention.
 
-The mask is per KV head (``[Hkv, R, C]``): the heads of a group share one kernel's key-block
-list, as FlashInfer's block-sparse wrappers take one per KV head, and groups differ.
+The mask is per KV head (``[Hkv, R, C]``): the heads of a group read the same K/V, so they
+share one key-block list (FlashInfer's variable-block wrapper takes one per KV head too), and
+groups attend differently.
 ``per_kv_head=False`` averages every head instead and returns one shared ``[1, R, C]`` mask.
 
 Selection, per (KV head, query block), among its causal key blocks:
 
 * always kept: the sink blocks (the first ``sink_blocks`` key blocks: attention sinks hold
   much of every row's mass whatever the content), the local blocks (the diagonal block and
-  the ``local_blocks - 1`` before it: recent context, and the diagonal holds the only key the
-  first query of a chunk's block may see, so no row is ever fully masked and the output is
-  never NaN), and, for the chunk's last ``last_blocks`` query blocks, every causal block (the
+  the ``local_blocks - 1`` before it: recent context, and the diagonal holds each query's own
+  key, so no row is ever fully masked and the output is never NaN), and, for the chunk's last ``last_blocks`` query blocks, every causal block (the
   prompt's last tokens produce the first output token; pass it only on a request's last chunk);
 * ``top_p``: then blocks in descending estimated mass (ties: lower index first) until the kept
   mass reaches ``top_p``: the smallest set holding the always-kept blocks whose mass reaches it
