@@ -23,7 +23,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from uniprefill_sglang.context import CheckFailed, DropContext, UniPrefillError, to_device
+from uniprefill_sglang.context import DropContext
+from uniprefill_sglang.device import to_device
+from uniprefill_sglang.errors import CheckFailed, UniPrefillError
 from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
 from uniprefill_sglang.selection import (DropCandidates, prefix_coverage, select_by_position,

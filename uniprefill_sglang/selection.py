@@ -27,7 +27,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 
 from uniprefill_sglang import kernels
-from uniprefill_sglang.context import to_device
+from uniprefill_sglang.device import to_device
 
 
 @dataclasses.dataclass

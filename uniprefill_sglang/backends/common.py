@@ -17,7 +17,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from uniprefill_sglang import kernels
-from uniprefill_sglang.context import CheckFailed, to_device
+from uniprefill_sglang.device import to_device
+from uniprefill_sglang.errors import CheckFailed
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     extend_stage_slots,
