@@ -17,11 +17,12 @@ Public API (installed as ``uniprefill_sglang.kernels``):
   ``block_mask_reference`` (pooled estimate, top_p or fixed density, sink and local blocks)
   and ``block_density`` is the fraction of causal block pairs it keeps
 
-Dispatch: Triton when the tensors are on CUDA, or when env
-``UNIPREFILL_FORCE_TRITON=1`` (CPU tensors then need ``TRITON_INTERPRET=1`` set
-before triton is imported); the torch reference otherwise.
-``UNIPREFILL_FORCE_REFERENCE=1`` forces the reference.  The environment is read
-at every call.  The Triton modules are imported lazily, on first use.
+Dispatch, by each function's ``path`` argument: ``None`` takes Triton when the tensors are on
+CUDA and the torch reference otherwise; ``"triton"`` forces Triton (CPU tensors then need
+``TRITON_INTERPRET=1`` set before triton is imported); ``"reference"`` forces the reference.
+The kernels read no switch themselves: the package's callers pass the one its environment
+asks for (``environ.kernel_path()``: ``UNIPREFILL_FORCE_REFERENCE``, ``UNIPREFILL_FORCE_TRITON``).
+The Triton modules are imported lazily, on first use.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-
-from uniprefill_sglang import environ
 
 from .block_sparse_reference import (
     block_density,
@@ -58,6 +57,7 @@ __all__ = [
     "positional_attention",
     "block_sparse_attention",
     "use_triton",
+    "PATHS",
     "positional_attention_reference",
     "block_mask_reference",
     "block_mass_estimate",
@@ -75,13 +75,17 @@ __all__ = [
 ]
 
 
-def use_triton(device: torch.device) -> bool:
-    """Whether the Triton path is used for tensors on ``device``."""
-    if environ.FORCE_REFERENCE.get():
-        return False
-    if environ.FORCE_TRITON.get():
-        return True
-    return device.type == "cuda"
+# What a kernel's ``path`` argument may ask for (None: by the tensors' device).
+PATHS = ("triton", "reference")
+
+
+def use_triton(device: torch.device, path: Optional[str] = None) -> bool:
+    """Whether the Triton path is used for tensors on ``device`` under ``path``."""
+    if path is None:
+        return device.type == "cuda"
+    if path not in PATHS:
+        raise ValueError(f"kernel path {path!r}: expected None or one of {', '.join(PATHS)}")
+    return path == "triton"
 
 
 def score_tokens(
@@ -96,6 +100,7 @@ def score_tokens(
     max_q: Optional[int] = None,
     max_k: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    path: Optional[str] = None,
 ) -> torch.Tensor:
     """Per-key attention mass from each segment's last queries.
 
@@ -109,11 +114,12 @@ def score_tokens(
     max_q / max_k: optional host ints >= the longest segment's query / key count
               (computed with one .item() sync each when omitted).  Must not be too small.
     out:      optional preallocated fp32 [Nk] output (contiguous).
+    path:     None, "triton" or "reference" (the module's docstring).
     Returns fp32 [Nk]: scores[j] = sum over the queries of j's segment and all Hq heads of
     softmax over the visible keys of that segment, evaluated at j.  Rows with no visible key
     contribute nothing; segments with no query give zeros.
     """
-    if use_triton(k_cache.device):
+    if use_triton(k_cache.device, path):
         from .score_triton import score_tokens_triton
 
         return score_tokens_triton(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale,
@@ -136,6 +142,7 @@ def select_tokens(
     keep_ratio,
     sink_tokens: int,
     last_window: int,
+    path: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Choose which candidate keys survive, per segment.
 
@@ -152,11 +159,12 @@ def select_tokens(
         keeps every block.
     sink_tokens: candidates with k_pos < sink_tokens are always kept.
     last_window: the last `last_window` candidates of each segment are always kept.
+    path: None, "triton" or "reference" (the module's docstring).
     Returns (keep_idx int64 [K_total]: ascending indices into the candidate rows enumerated across
     the batch (segment 0's candidates first); new_counts int32 [B]: kept candidates per segment).
     The Triton path does one host sync (torch.nonzero); `select_token_mask` does none.
     """
-    if use_triton(scores.device):
+    if use_triton(scores.device, path):
         from .select_triton import select_tokens_triton
 
         return select_tokens_triton(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio,
@@ -167,11 +175,11 @@ def select_tokens(
 
 def select_token_mask(scores: torch.Tensor, k_pos: torch.Tensor, k_indptr: torch.Tensor, cand_start,
                       block_size: int, top_p, keep_ratio, sink_tokens: int, last_window: int,
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+                      path: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """`select_tokens` as a mask, without a host sync: (keep bool [Nk], entry c for candidate c
     enumerated across the batch as `select_tokens` numbers them, False past the last candidate;
     new_counts int32 [B])."""
-    if use_triton(scores.device):
+    if use_triton(scores.device, path):
         from .select_triton import select_token_mask_triton
 
         return select_token_mask_triton(scores, k_pos, k_indptr, cand_start, block_size, top_p,
@@ -198,6 +206,7 @@ def positional_attention(
     max_q_len: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
     kv_sorted: bool = False,
+    path: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of each request's queries over its keys, masked by original positions.
 
@@ -216,9 +225,10 @@ def positional_attention(
     out:        optional preallocated [Nq, Hq, Dv] output in q's dtype.
     kv_sorted:  a promise that each request's kv_pos ascend: the Triton path then visits only
                 the keys a query tile may see (the answer is the same).
+    path:       None, "triton" or "reference" (the module's docstring).
     Returns [Nq, Hq, Dv] in q's dtype; a row with no visible key is zero.
     """
-    if use_triton(q.device):
+    if use_triton(q.device, path):
         from .positional_triton import positional_attention_triton
 
         if max_q_len is None:
@@ -243,15 +253,17 @@ def block_sparse_attention(
     sm_scale: float,
     causal: bool = True,
     q_offset: Optional[int] = None,
+    path: Optional[str] = None,
 ) -> torch.Tensor:
     """One request's prefill chunk attending only to the key blocks ``mask`` keeps.
 
     q [n_q, Hq, D], k [n_k, Hkv, D], v [n_k, Hkv, Dv]; query i sits at key position
     q_offset + i (default n_k - n_q); mask bool [Hkv or 1, R, C] over blocks of block_size
     aligned on key positions (see block_sparse_reference.py).  Returns [n_q, Hq, Dv] in q's
-    dtype.  The Triton path needs a power-of-two block_size >= 16.
+    dtype.  The Triton path needs a power-of-two block_size >= 16.  path: None, "triton" or
+    "reference" (the module's docstring).
     """
-    if use_triton(q.device):
+    if use_triton(q.device, path):
         from .block_sparse_triton import block_sparse_attention_triton
 
         return block_sparse_attention_triton(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset)

@@ -117,7 +117,7 @@ def check_sglang(backend_classes) -> None:
     (`signatures.json`): its hook would be handed arguments it was not written for. The
     message also names the needed targets that do not resolve; alone, on a supported release,
     those are left to `unresolved_hooks`."""
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
     from uniprefill_sglang.patches.hook_table import UNRESOLVED, signature_changes
 
     optional = _optional_targets(backend_classes)
@@ -156,3 +156,7 @@ def unresolved_hooks(backend_classes) -> list:
     HookRegistry.apply_hooks()  # patched targets are skipped
     return sorted(t for t, hooks in HookRegistry._hooks.items()
                   if _ours(hooks) and t not in HookRegistry._patched and t not in optional)
+
+
+# The model runner's start-up check (one of the table's rows, it cannot import the table).
+model_runner.use_hook_check(unresolved_hooks)

@@ -2,7 +2,7 @@
 
 `--check`: exit 1, naming them, when hooked functions of the installed SGLang have other
 parameters than the plugin was written for (none of those recorded for any version), or when
-the installed SGLang is not a supported release (patches/versions.py);
+the installed SGLang is not a supported release (uniprefill_sglang/versions.py);
 `--record`: record the installed SGLang's under its version, keeping the other versions' (and
 the targets of rows for other releases).
 """
@@ -13,7 +13,8 @@ import sys
 
 import sglang
 
-from uniprefill_sglang.patches import all_hooks, hook_table, versions
+from uniprefill_sglang import versions
+from uniprefill_sglang.patches import all_hooks, hook_table
 from uniprefill_sglang.patches.hook_table import (Version, parameters, recorded_signatures,
                                                   signature_changes, signed)
 

@@ -9,16 +9,18 @@ from uniprefill_sglang.patches.hook_table import Hook
 
 
 def _attach_plan(forward_batch, cls, batch, *args, **kwargs):
-    from uniprefill_sglang.patches.versions import req_pool_idx
+    from uniprefill_sglang.patches.radix_cache import hooked_tree_classes
     from uniprefill_sglang.request_plan import ForwardInputs, is_prefill_mode, plan_batch
     from uniprefill_sglang.runtime import get_runtime
+    from uniprefill_sglang.versions import req_pool_idx
 
     runtime = get_runtime()
     if runtime is None:
         return forward_batch
     inputs = ForwardInputs([req_pool_idx(req) for req in batch.reqs])
     if is_prefill_mode(batch.forward_mode):
-        inputs.plan = plan_batch(batch, runtime.config, runtime.no_schedule_reason)
+        inputs.plan = plan_batch(batch, runtime.config, runtime.no_schedule_reason,
+                                 hooked_tree_classes())
     forward_batch.uniprefill = inputs
     return forward_batch
 

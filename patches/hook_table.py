@@ -52,8 +52,8 @@ class Hook:
             raise ValueError(f"hook kind {self.kind!r} of {self.target} is not one of {KINDS}")
 
     def applies(self) -> bool:
-        """Whether the row is for the installed SGLang (patches/versions.py)."""
-        from uniprefill_sglang.patches import versions
+        """Whether the row is for the installed SGLang (uniprefill_sglang/versions.py)."""
+        from uniprefill_sglang import versions
 
         return versions.applies(self.sglang)
 

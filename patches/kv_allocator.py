@@ -64,7 +64,7 @@ def _clear(result, allocator, *args, **kwargs):
 
 
 def _evict_for_stages(original, tree_cache, num_tokens, *args, **kwargs):
-    from uniprefill_sglang.patches.versions import holds_no_prefixes
+    from uniprefill_sglang.versions import holds_no_prefixes
 
     result = original(tree_cache, num_tokens, *args, **kwargs)
     if tree_cache is None or holds_no_prefixes(tree_cache):
@@ -93,7 +93,7 @@ def _check_decode_mem(original, batch, selected_indices=None, *args, **kwargs):
 
 
 def _budget_for_stages(result, adder, *args, **kwargs):
-    from uniprefill_sglang.patches.versions import charge_prefill_budget
+    from uniprefill_sglang.versions import charge_prefill_budget
 
     allocator = adder.token_to_kv_pool_allocator
     pools = _pools(allocator)
@@ -107,7 +107,7 @@ def _budget_for_stages(result, adder, *args, **kwargs):
 
 
 def _before_admission(scheduler, running_batch=None, *args, **kwargs):
-    from uniprefill_sglang.patches.versions import holds_no_prefixes
+    from uniprefill_sglang.versions import holds_no_prefixes
 
     pools = _pools(scheduler.token_to_kv_pool_allocator)
     if pools is None:
@@ -133,7 +133,7 @@ def _after_admission(result, scheduler, *args, **kwargs):
 def _new_tokens(req) -> int:
     """Tokens a waiting request still has to prefill: its prompt less the cached prefix it
     matched when last scheduled (evicting that prefix to make room would defeat the cache)."""
-    from uniprefill_sglang.patches.versions import prefix_len
+    from uniprefill_sglang.versions import prefix_len
 
     return max(1, len(req.origin_input_ids) - prefix_len(req))
 

@@ -12,14 +12,24 @@
   error (patches/scheduler.py), never answered from incomplete KV. Under tensor parallelism
   only the plugin's own errors are recovered from. Any other second failure is SGLang's and
   propagates as it would without the plugin. A failed debug check
-  (`context.CheckFailed`) is never caught: it exists to make a bookkeeping bug loud.
+  (`errors.CheckFailed`) is never caught: it exists to make a bookkeeping bug loud.
 """
 
 import logging
+from typing import Callable, Optional
 
 from uniprefill_sglang.patches.hook_table import Hook
 
 logger = logging.getLogger(__name__)
+
+# The start-up check of the whole hook table (`patches.unresolved_hooks`), handed in by the
+# table's module when it imports this one: this module is one of the table's rows.
+_unresolved_hooks: Optional[Callable] = None
+
+
+def use_hook_check(unresolved_hooks: Callable) -> None:
+    global _unresolved_hooks
+    _unresolved_hooks = unresolved_hooks
 
 
 def _install_runtime(result, model_runner, *args, **kwargs):
@@ -93,9 +103,7 @@ def _check_hooks(model_runner) -> None:
     """Refuse to start when a hook this model needs did not take (SGLang only logs it)."""
     import sglang
 
-    from uniprefill_sglang.patches import unresolved_hooks
-
-    missing = unresolved_hooks(_backend_classes(model_runner.attn_backend))
+    missing = _unresolved_hooks(_backend_classes(model_runner.attn_backend))
     if missing:
         raise RuntimeError(
             f"UniPrefill: hook target(s) {', '.join(missing)} did not resolve on SGLang "
@@ -217,7 +225,7 @@ def _release_failed_forward() -> None:
 def _attempt(runtime, forward_batch, run):
     """One forward in a drop context: (result, None), or (None, (error, its context)) when it
     raised where UniPrefill acted and may be recovered from; any other error propagates."""
-    from uniprefill_sglang.context import CheckFailed
+    from uniprefill_sglang.errors import CheckFailed
 
     ctx = runtime.begin_forward(forward_batch)
     try:
@@ -245,7 +253,7 @@ def _recoverable(runtime, error) -> bool:
     errors (raised alike on every rank, from the same host-known decisions) are recovered from;
     anything else (e.g. an OOM on one rank) re-raises, as a rank re-running alone would hang
     the collectives."""
-    from uniprefill_sglang.context import UniPrefillError
+    from uniprefill_sglang.errors import UniPrefillError
 
     return runtime.tp_agreement is None or isinstance(error, UniPrefillError)
 

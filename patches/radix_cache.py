@@ -81,7 +81,7 @@ def _checkpoint(original, cache, req, *args, **kwargs):
 def _insert_marking_shared(runtime, insert, cache, req, *args, **kwargs):
     """Insert the request's tokens; where the tree already held more than the request's
     protected prefix, the request now reads other requests' slots: its KV gaps are stale."""
-    from uniprefill_sglang.patches.versions import cache_protected_len, req_pool_idx
+    from uniprefill_sglang.versions import cache_protected_len, req_pool_idx
 
     protected = cache_protected_len(req)
     cache.uniprefill = None
@@ -102,7 +102,7 @@ def _release_private_prefix(result, cache, req, *args, **kwargs):
 
 
 def _check_tree_cache(result, *args, **kwargs):
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
@@ -135,7 +135,7 @@ def _serves(cache, hooked: tuple) -> bool:
 @functools.lru_cache(maxsize=None)
 def hooked_tree_classes() -> tuple:
     """The prefix cache classes these hooks patch on the installed SGLang (resolved once: every
-    prefill batch's plan asks, request_plan.py)."""
+    prefill batch's plan asks, patches/forward_batch.py)."""
     trees = sorted({h.target.rsplit(".", 1)[0] for h in HOOKS
                     if h.target != _BUILD and h.applies()})
     return tuple(resolve_target(tree) for tree in trees)

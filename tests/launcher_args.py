@@ -9,7 +9,7 @@ def launcher_server_args(argv: list):
     from sglang.srt import server_args as sa
     from sglang.srt.plugins import load_plugins
 
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
 
     load_plugins()
     args = sa.prepare_server_args(argv)

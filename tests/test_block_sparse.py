@@ -207,14 +207,11 @@ def test_tiny_and_empty_chunks(bst, n_q, n_k):
             assert_close(ref, dense_causal(q, k, v, 0.25), 1e-12, 1e-12)
 
 
-def test_public_dispatch(bst, monkeypatch):
+def test_public_dispatch(bst):
     q, k, v = make_qkv(13, 37, 70, 4, 2, dtype=torch.float16)
     mask = block_mask_reference(q, k, 16, top_p=0.8)
-    monkeypatch.setenv("UNIPREFILL_FORCE_TRITON", "1")
-    monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE", raising=False)
-    tri = K.block_sparse_attention(q, k, v, mask, 16, 0.2)
-    monkeypatch.setenv("UNIPREFILL_FORCE_REFERENCE", "1")
-    ref = K.block_sparse_attention(q, k, v, mask, 16, 0.2)
+    tri = K.block_sparse_attention(q, k, v, mask, 16, 0.2, path="triton")
+    ref = K.block_sparse_attention(q, k, v, mask, 16, 0.2, path="reference")
     assert tri.dtype == ref.dtype == torch.float16
     assert_close(tri, block_sparse_attention_reference(q, k, v, mask, 16, 0.2), *TOL[torch.float16])
     assert_close(ref, block_sparse_attention_reference(q, k, v, mask, 16, 0.2), 1e-3, 1e-3)

@@ -39,3 +39,17 @@ def test_every_switch_is_documented_and_read_only_through_environ():
             continue
         read_here = re.findall(r"""environ(?:\.get\(|\[)["'](UNIPREFILL_[A-Z_]+)""", path.read_text())
         assert not read_here, f"{path} reads {read_here} itself: declare it in environ.py"
+
+
+@pytest.mark.parametrize("force_reference, force_triton, path", [
+    ("0", "0", None), ("1", "0", "reference"), ("0", "1", "triton"), ("1", "1", "reference")])
+def test_the_kernel_switches_become_the_kernels_path_argument(monkeypatch, force_reference,
+                                                              force_triton, path):
+    import torch
+
+    from uniprefill_sglang import kernels
+
+    monkeypatch.setenv(environ.FORCE_REFERENCE.name, force_reference)
+    monkeypatch.setenv(environ.FORCE_TRITON.name, force_triton)
+    assert environ.kernel_path() == path
+    assert kernels.use_triton(torch.device("cpu"), environ.kernel_path()) is (path == "triton")

@@ -47,7 +47,7 @@ GEMMA3 = ModelFacts(("Gemma3ForCausalLM",), 6, 64,
 def _choose(monkeypatch, picked, facts, attention=None, prefill=None, decode=None):
     """The backends chosen when SGLang would pick `picked` (a Hopper answer stood in for: no
     such GPU here)."""
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
 
     monkeypatch.setattr(versions, "default_attention_backend", lambda args: picked)
     args = SimpleNamespace(attention_backend=attention, prefill_attention_backend=prefill,

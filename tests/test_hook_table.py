@@ -138,7 +138,7 @@ def test_a_signature_refusal_also_names_the_targets_that_do_not_resolve(monkeypa
 def test_start_up_refuses_a_release_outside_the_supported_ones(monkeypatch, capsys):
     from packaging.version import Version
 
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
     from uniprefill_sglang.patches.__main__ import main
 
     assert main(["--check"]) == 0
@@ -154,7 +154,8 @@ def test_start_up_refuses_a_release_outside_the_supported_ones(monkeypatch, caps
 
 
 def test_rows_for_other_releases_are_left_out(monkeypatch):
-    from uniprefill_sglang.patches import radix_cache, versions
+    from uniprefill_sglang import versions
+    from uniprefill_sglang.patches import radix_cache
     from uniprefill_sglang.patches.hook_table import Hook
 
     later = Hook("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",

@@ -33,7 +33,7 @@ import test_lfm2
 import test_qwen3_next
 from hybrid_workload import prefix_cache_workload, random_prompts
 
-from uniprefill_sglang.patches import versions
+from uniprefill_sglang import versions
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
 
 # The switch is experimental and written for 0.5.17's UnifiedRadixCache with a state component

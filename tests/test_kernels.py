@@ -4,11 +4,11 @@ Interpreter plumbing: tests/triton_interpreter.py (imported first: it sets TRITO
 when this process can still run the interpreter, else ``test_cpu_suite_in_subprocess`` re-runs
 this file in a fresh interpreter-mode python process).
 
-An autouse fixture sets ``UNIPREFILL_FORCE_TRITON=1`` so the public API dispatches
-to the (interpreted) Triton kernels on CPU tensors; the oracle is the torch
-reference evaluated in float64.  Outputs and scratch buffers are NaN-poisoned.
+The public API is called with ``path="triton"`` so that it dispatches to the (interpreted)
+Triton kernels on CPU tensors; the oracle is the torch reference evaluated in float64.  Outputs and scratch buffers are NaN-poisoned.
 """
 
+import functools
 import importlib
 import math
 from fractions import Fraction
@@ -19,12 +19,11 @@ import torch
 from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
 
 import uniprefill_sglang.kernels as K  # noqa: E402
-from uniprefill_sglang.kernels import (  # noqa: E402
-    score_tokens,
-    score_tokens_reference,
-    select_tokens,
-    select_tokens_reference,
-)
+from uniprefill_sglang.kernels import score_tokens_reference, select_tokens_reference  # noqa: E402
+
+# The public API on the Triton path, CPU tensors included (interpreted).
+score_tokens = functools.partial(K.score_tokens, path="triton")
+select_tokens = functools.partial(K.select_tokens, path="triton")
 
 # the interpreter converts 1-element arrays with int(): numpy DeprecationWarning noise
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -56,13 +55,11 @@ def interp_modules():
 
 
 @pytest.fixture(autouse=True)
-def force_triton(request, monkeypatch):
+def interpreted(request, monkeypatch):
     if request.node.name == "test_cpu_suite_in_subprocess":
         yield None
         return
     st, sl = request.getfixturevalue("interp_modules")
-    monkeypatch.setenv("UNIPREFILL_FORCE_TRITON", "1")
-    monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE", raising=False)
     # internal scratch buffers are NaN-filled: an unwritten element poisons the output
     monkeypatch.setattr(st, "POISON_SCRATCH", True)
     yield st, sl
@@ -267,11 +264,13 @@ def test_score_deterministic():
     assert torch.equal(a1, a2)
 
 
-def test_score_reference_dispatch(monkeypatch):
+def test_score_reference_dispatch():
     b = make_batch(19, [(3, 20)], 4, 2, 64, torch.float32)
-    monkeypatch.setenv("UNIPREFILL_FORCE_REFERENCE", "1")
-    got = score_tokens(**b)
+    got = K.score_tokens(**b, path="reference")
     assert_scores_close(got, oracle_scores(b))
+    assert not K.use_triton(b["k_cache"].device)  # CPU tensors: the reference by default
+    with pytest.raises(ValueError, match="kernel path 'cuda'"):
+        K.score_tokens(**b, path="cuda")
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view
-from uniprefill_sglang.context import CheckFailed
+from uniprefill_sglang.errors import CheckFailed
 from uniprefill_sglang.kv_validity import KVGaps, RequestStageKV, SlotStages, check_kv_lens, \
     compact, gather_seq_slots, stage_views, window_views
 

@@ -2,13 +2,14 @@
 
 Interpreter plumbing: tests/triton_interpreter.py (imported first: it sets TRITON_INTERPRET
 when this process can still run the interpreter, else ``test_cpu_suite_in_subprocess`` re-runs
-this file in a fresh process).  An autouse fixture sets ``UNIPREFILL_FORCE_TRITON=1`` so the
-public ``positional_attention`` dispatches to the interpreted kernel on CPU tensors.
+this file in a fresh process).  The public ``positional_attention`` is called with
+``path="triton"`` so that it dispatches to the interpreted kernel on CPU tensors.
 
 Oracle: ``positional_attention_reference`` evaluated on float64 copies of the inputs (itself
 checked once against a dense masked softmax).  Output buffers are NaN-poisoned.
 """
 
+import functools
 import importlib
 
 import pytest
@@ -16,7 +17,10 @@ import torch
 from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
 
 import uniprefill_sglang.kernels as K
-from uniprefill_sglang.kernels import positional_attention, positional_attention_reference
+from uniprefill_sglang.kernels import positional_attention_reference
+
+# The public API on the Triton path, CPU tensors included (interpreted).
+positional_attention = functools.partial(K.positional_attention, path="triton")
 
 # the interpreter converts 1-element arrays with int(): numpy DeprecationWarning noise
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -47,14 +51,11 @@ def kernel_module():
 
 
 @pytest.fixture(autouse=True)
-def force_triton(request, monkeypatch):
+def interpreted(request):
     if request.node.name == "test_cpu_suite_in_subprocess":
         yield None
         return
-    mod = request.getfixturevalue("kernel_module")
-    monkeypatch.setenv("UNIPREFILL_FORCE_TRITON", "1")
-    monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE", raising=False)
-    yield mod
+    yield request.getfixturevalue("kernel_module")
 
 
 # ---------------------------------------------------------------------------
@@ -255,14 +256,12 @@ def test_tiles_grid_and_empty_requests():
     assert (fresh[-3:] == 0).all() and rel_err(fresh, ref) < BOUND[FP32]
 
 
-def test_reference_dispatch(monkeypatch):
+def test_reference_dispatch():
     case = make_case(7, [(5, 3), (0, 4)], 2, 1, 16, dtype=FP32)
-    monkeypatch.setenv("UNIPREFILL_FORCE_REFERENCE", "1")
     out = torch.full((7, 2, 16), float("nan"))
-    got = positional_attention(**case, window=2, out=out)
+    got = K.positional_attention(**case, window=2, out=out, path="reference")
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got, positional_attention_reference(**case, window=2))
-    monkeypatch.delenv("UNIPREFILL_FORCE_REFERENCE")
     assert rel_err(positional_attention(**case, window=2), oracle(case, window=2)) < BOUND[FP32]
 
 

@@ -169,7 +169,7 @@ def _engine(model_dir, **kwargs):
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
 
     if not versions.applies("<0.5.23"):
         # SGLang 0.5.23's Qwen3-Next allocates its layer buffers on

@@ -88,7 +88,7 @@ LATE_REFUSALS = {  # refused after the model loaded: the environment that provok
 @pytest.fixture(scope="module")
 def launcher_runs(smollm2_path):
     """{run id: (return code, output)} of every launcher run above."""
-    from uniprefill_sglang.patches import versions
+    from uniprefill_sglang import versions
     from uniprefill_sglang.tools.cpu_engine import cpu_engine_env
 
     if not versions.applies("<0.5.23"):

@@ -176,7 +176,7 @@ def test_under_tensor_parallelism_only_the_plugins_own_errors_are_recovered():
     plugin's own errors (raised alike on every rank) are recovered from."""
     from types import SimpleNamespace
 
-    from uniprefill_sglang.context import UniPrefillError
+    from uniprefill_sglang.errors import UniPrefillError
     from uniprefill_sglang.patches.model_runner import _recoverable
 
     tp, single = SimpleNamespace(tp_agreement=object()), SimpleNamespace(tp_agreement=None)

@@ -1,4 +1,4 @@
-"""patches/versions.py: the supported releases and rows limited to some releases."""
+"""uniprefill_sglang/versions.py: the supported releases and rows limited to some releases."""
 
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from uniprefill_sglang.patches import versions
+from uniprefill_sglang import versions
 
 
 def test_the_installed_release_is_supported():

@@ -17,17 +17,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from uniprefill_sglang.device import to_device
+from uniprefill_sglang.kv_validity import compact
 from uniprefill_sglang.parking import ParkingStep
 from uniprefill_sglang.request_plan import BatchPlan
-
-
-class UniPrefillError(RuntimeError):
-    """UniPrefill's own code failed in a forward (the forward runs again without it)."""
-
-
-class CheckFailed(AssertionError):
-    """A debug check (UNIPREFILL_CHECK_KV_LENS, UNIPREFILL_CHECK_TP) failed. Never recovered
-    from: a check exists to make a bookkeeping bug loud in tests."""
 
 
 @dataclasses.dataclass
@@ -121,8 +114,6 @@ class DropContext:
         """Keep the rows where `keep` is set: the step's own rows, then any parked rows
         rejoining (`parking.JoiningRows`), which go ahead of their request's new rows. The
         hidden states follow at the next layer hook (`apply_pending`)."""
-        from uniprefill_sglang.kv_validity import compact  # kv_validity imports this module
-
         total = sum(rows_per_request)
         kept = sum(self.lens)  # the drop has set each request's rows: no device read
         if kept == total and not joining.count and not self.parking.to_park:
@@ -238,18 +229,6 @@ def gather_in_place(x: torch.Tensor, rows: torch.Tensor,
         end = min(k, start + step)
         x[start:end] = x.index_select(0, rows[start:end])
     return x[:k]
-
-
-def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """A small host list as a device tensor without waiting for the GPU.
-
-    `torch.tensor(values, device=cuda)` is a blocking copy: it synchronises the stream, which
-    idles the GPU until the host launches again. From pinned memory the copy is queued on the
-    stream instead (torch's host allocator keeps the pinned block until the copy has run)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def current() -> Optional[DropContext]:

@@ -23,7 +23,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from uniprefill_sglang.context import CheckFailed, DropContext, UniPrefillError, to_device
+from uniprefill_sglang.context import DropContext
+from uniprefill_sglang.device import to_device
+from uniprefill_sglang.errors import CheckFailed, UniPrefillError
 from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
 from uniprefill_sglang.selection import (DropCandidates, prefix_coverage, select_by_position,
@@ -283,12 +285,13 @@ def warm_up(rt, attn, dtype) -> None:
     """Run the scoring and selection kernels once (top-p and keep ratio, and verify's coverage)
     on the first drop layer's key buffer, so that the first request that drops does not wait
     for their compilation. Reads the buffer, writes nothing."""
-    from uniprefill_sglang import kernels
+    from uniprefill_sglang import environ, kernels
 
     if attn is None:
         return
     buffer = rt.token_to_kv_pool.get_key_buffer(attn.layer_id)
-    if not kernels.use_triton(buffer.device):  # the torch references compile nothing
+    # The torch references compile nothing.
+    if not kernels.use_triton(buffer.device, environ.kernel_path()):
         return
     # Long enough that the scoring kernel splits its keys, as for real prompts: Triton
     # compiles a kernel anew for an integer argument equal to 1 (here, one split).

@@ -106,6 +106,18 @@ CPU_ENGINE = Text(
     "UNIPREFILL_CPU_ENGINE", "tests: '1' forces SGLang's CPU engine, '0' forbids it (default: "
     "the CPU engine when CUDA is absent)")
 
+
+
+def kernel_path() -> Optional[str]:
+    """The kernels' `path` argument these switches ask for (uniprefill_sglang/kernels: None
+    dispatches by device); the reference wins when both are set."""
+    if FORCE_REFERENCE.get():
+        return "reference"
+    if FORCE_TRITON.get():
+        return "triton"
+    return None
+
+
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
        TEST_SELECTION, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES, FLASHINFER_PAGED_TEMPLATE,
        CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

@@ -22,7 +22,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from uniprefill_sglang.context import CheckFailed, to_device
+from uniprefill_sglang.device import to_device
+from uniprefill_sglang.errors import CheckFailed
 
 
 class LayerStages:

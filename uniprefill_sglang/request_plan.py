@@ -14,8 +14,8 @@ import dataclasses
 import logging
 from typing import List, Optional
 
+from uniprefill_sglang import versions
 from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig, per_drop
-from uniprefill_sglang.patches import versions
 from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
 
 logger = logging.getLogger(__name__)
@@ -175,11 +175,10 @@ def _max_new_tokens(req) -> Optional[int]:
     return getattr(sp, "max_new_tokens", None) if sp is not None else None
 
 
-def _is_radix_tree(tree_cache) -> bool:
-    """Only the tree patches/radix_cache.py hooks holds prefixes UniPrefill re-selects."""
-    from uniprefill_sglang.patches.radix_cache import hooked_tree_classes
-
-    return type(tree_cache) in hooked_tree_classes() and not tree_cache.disable
+def _is_radix_tree(tree_cache, hooked_trees: tuple) -> bool:
+    """Only a tree of `hooked_trees` (the classes patches/radix_cache.py hooks) holds prefixes
+    UniPrefill re-selects."""
+    return type(tree_cache) in hooked_trees and not tree_cache.disable
 
 
 def _cached_len(req, radix: bool) -> int:
@@ -200,8 +199,10 @@ def _asks_input_logprobs(batch, extend_lens: list) -> bool:
     return any(start < n for start, n in zip(starts, extend_lens))
 
 
-def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str]) -> BatchPlan:
-    """Decisions for every request of an extend/mixed ScheduleBatch, in batch order."""
+def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str],
+               hooked_trees: tuple) -> BatchPlan:
+    """Decisions for every request of an extend/mixed ScheduleBatch, in batch order;
+    `hooked_trees`: the prefix cache classes the plugin hooks (only theirs are reused)."""
     reqs = batch.reqs
     extend_lens = list(batch.extend_lens or [])
     decoding = set(id(r) for r in (getattr(batch, "decoding_reqs", None) or []))
@@ -209,7 +210,7 @@ def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str]) -> B
     if _asks_input_logprobs(batch, extend_lens):
         # Input logprobs need every position's hidden state, for the whole batch.
         batch_reason = "input logprobs requested in the batch"
-    radix = _is_radix_tree(getattr(batch, "tree_cache", None))
+    radix = _is_radix_tree(getattr(batch, "tree_cache", None), hooked_trees)
     decisions = []
     for i, req in enumerate(reqs):
         if id(req) in decoding or i >= len(extend_lens):

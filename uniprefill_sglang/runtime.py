@@ -18,7 +18,8 @@ import torch
 
 from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
-from uniprefill_sglang.context import DropContext, UniPrefillError
+from uniprefill_sglang.context import DropContext
+from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, SlotStages
 from uniprefill_sglang.parking import ParkingLot, rejoin_record, start_peak_measure
 from uniprefill_sglang.prefix_reuse import PrefixReuse

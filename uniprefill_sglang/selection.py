@@ -26,8 +26,8 @@ from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
-from uniprefill_sglang import kernels
-from uniprefill_sglang.context import to_device
+from uniprefill_sglang import environ, kernels
+from uniprefill_sglang.device import to_device
 
 
 @dataclasses.dataclass
@@ -192,15 +192,17 @@ def _score_and_select(cands, key_buffer, sm_scale, rule, reduce_scores):
     device = cands.key_slots.device
     q_indptr = to_device(_indptr(cands.query_counts), torch.int32, device)
     k_indptr = to_device(_indptr(cands.key_counts), torch.int32, device)
+    path = environ.kernel_path()
     scores = kernels.score_tokens(
         cands.queries, cands.query_pos, q_indptr, key_buffer, cands.key_slots, cands.key_pos,
-        k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts))
+        k_indptr, sm_scale, max_q=max(cands.query_counts), max_k=max(cands.key_counts), path=path)
     if reduce_scores is not None:
         scores = reduce_scores(scores)
     keep, counts = kernels.select_token_mask(
         scores, cands.key_pos, k_indptr, to_device(cands.prefix_counts, torch.int64, device),
         rule.block_size, to_device(cands.top_p, torch.float32, device),
-        to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window)
+        to_device(cands.keep_ratio, torch.float32, device), rule.sink_tokens, rule.last_window,
+        path=path)
     keep = keep[:sum(cands.key_counts) - sum(cands.prefix_counts)]
     rows = None
     if rule.neighbor_blocks > 0 and keep.numel():

@@ -18,7 +18,7 @@ from sglang.srt.arg_groups.arg_utils import A, Arg
 from sglang.srt.server_args import ServerArgs
 
 from uniprefill_sglang import architectures as arch_table
-from uniprefill_sglang import environ
+from uniprefill_sglang import environ, versions
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
@@ -36,7 +36,6 @@ from uniprefill_sglang.config import (
     find_shipped_profile,
     load_profile,
 )
-from uniprefill_sglang.patches import versions
 from uniprefill_sglang.schedule import ModelFacts, resolve
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from uniprefill_sglang.context import CheckFailed
+from uniprefill_sglang.errors import CheckFailed
 
 
 class TPAgreementError(CheckFailed):

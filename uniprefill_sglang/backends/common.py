@@ -16,8 +16,9 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from uniprefill_sglang import kernels
-from uniprefill_sglang.context import CheckFailed, to_device
+from uniprefill_sglang import environ, kernels
+from uniprefill_sglang.device import to_device
+from uniprefill_sglang.errors import CheckFailed
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     extend_stage_slots,
@@ -126,8 +127,6 @@ def decode_graph_entries(runtime, upstream_entries: int, floor: int = 0) -> int:
     `UNIPREFILL_DECODE_GRAPH_ENTRIES`), at most upstream's width, at least `floor` (lists
     that do not scale with the pool, such as one window per request). Recorded on the runtime,
     whose smallest list decides which decode batches replay a graph."""
-    from uniprefill_sglang import environ
-
     wanted = environ.DECODE_GRAPH_ENTRIES.get()
     pools = int(wanted) if wanted else DECODE_GRAPH_POOLS * runtime.slots.num_slots
     entries = max(floor, min(upstream_entries, pools))
@@ -400,5 +399,6 @@ def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):
         pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
         kv_indptr, kv_indices, kv_pos, layer.scaling, window=window,
         logit_cap=layer.logit_cap, max_q_len=max_q_len, out=out[:rows],
-        kv_sorted=True)  # prefix then current rows, each in sequence order
+        kv_sorted=True,  # prefix then current rows, each in sequence order
+        path=environ.kernel_path())
     return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -35,7 +35,8 @@ from uniprefill_sglang.backends.common import (
     view_cache,
     write_kv,
 )
-from uniprefill_sglang.context import UniPrefillError, current
+from uniprefill_sglang.context import current
+from uniprefill_sglang.errors import UniPrefillError
 
 
 class FA3Adapter(StageViewAdapter):

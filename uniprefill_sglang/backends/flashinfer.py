@@ -72,7 +72,8 @@ from uniprefill_sglang.backends.common import (
     write_kv,
 )
 from uniprefill_sglang.backends.flashinfer_template import paged_template, use_paged_template
-from uniprefill_sglang.context import UniPrefillError, current
+from uniprefill_sglang.context import current
+from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     compact,

@@ -17,7 +17,8 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from uniprefill_sglang.backends.common import (StageViewAdapter, needs_view, row_piece,
                                                sliding_window)
-from uniprefill_sglang.context import current, to_device
+from uniprefill_sglang.context import current
+from uniprefill_sglang.device import to_device
 from uniprefill_sglang.runtime import get_runtime
 
 

@@ -51,7 +51,8 @@ from uniprefill_sglang.backends.common import (
     window_extend_attention,
     write_kv,
 )
-from uniprefill_sglang.context import UniPrefillError, current
+from uniprefill_sglang.context import current
+from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import stage_views
 from uniprefill_sglang.runtime import get_runtime
 
