@@ -275,3 +275,21 @@ def test_shared_grid_names_and_seeds(tokenizer):
     assert kv0.queries[0].answer != kv1.queries[0].answer
     with pytest.raises(ValueError):
         make_shared_case(tokenizer, "vt", 1200)
+
+
+def test_the_recorded_validation_and_test_cases_are_generated_again_byte_for_byte(tokenizer):
+    """The validation run of SmolLM2's shipped profile (reporting seed 1000, manual, prose and
+    essay haystacks) and its test run (seed 2000, fresh text): the cases their result files
+    fingerprint are the cases the generator gives today."""
+    import json
+    from pathlib import Path
+
+    fidelity = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "fidelity"
+    for name in ("eval_smollm2_two_drops_reporting.json", "eval_smollm2_shipped_test_7600.json"):
+        meta = json.loads((fidelity / name).read_text())["meta"]
+        cases = []
+        for spec in meta["tasks"]:
+            task, hay = spec.split("/")
+            cases += make_cases(tokenizer, [task], meta["lengths"], meta["depths"],
+                                meta["seeds"], meta["fmt"], [hay])
+        assert fingerprint(cases) == meta["case_fingerprint"], name
