@@ -80,8 +80,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from uniprefill_sglang.tools import haystacks as _haystacks
 from uniprefill_sglang.tools import scoring as _scoring
-from uniprefill_sglang.tools.seeds import (REPORTING_SEEDS, SEED_SETS, TEST_SEEDS,  # noqa: F401
-                                         TUNING_SEEDS, parse_seeds, seed_set)
+from uniprefill_sglang.tools.seeds import (REPORTING_SEEDS, TEST_SEEDS, TUNING_SEEDS,  # noqa: F401
+                                         parse_seeds, seed_set)
 
 TASKS = (
     "niah_number",
