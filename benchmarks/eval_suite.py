@@ -19,7 +19,8 @@ runs every needle task in each haystack (tools/haystacks.py). Every record carri
 project's strict check (``correct``: whole words, no distractor named) and the benchmark's own
 score (``score``, RULER's ``string_match_all``; ``bench_correct``: score 1); ``--scoring`` says
 which one the printed tables count. ``--seeds`` takes a list or a named set's first seeds
-(``reporting:2`` = 1000, 1001; tasks.TUNING_SEEDS / REPORTING_SEEDS); the seeds' set is recorded.
+(``reporting:2`` = 1000, 1001, ``test:1`` = 2000; tools/seeds.py: tuning, reporting = validation,
+test); the seeds' set is recorded.
 
 Shared context (SCBench's modes, tools/shared_context_tasks.py): ``--shared-tasks kv,niah``
 adds cases of one context and ``--shared-queries`` queries, as separate requests
@@ -735,7 +736,7 @@ def parse_args(argv=None):
                     help="prompt token budgets (SmolLM2: up to 8000; its context is 8192)")
     ap.add_argument("--depths", default="0.5", help="needle depths in [0, 1], e.g. 0.1,0.5,0.9")
     ap.add_argument("--seeds", default="0",
-                    help="comma list, or a named set's first seeds: reporting:2, tuning:3")
+                    help="comma list, or a named set's first seeds: reporting:2, tuning:3, test:1")
     ap.add_argument("--scoring", default="strict", choices=("strict", "benchmark"),
                     help="what the printed tables count: the strict check or the benchmark's "
                          "own rule (both are in the JSON)")

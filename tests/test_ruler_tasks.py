@@ -15,8 +15,8 @@ from uniprefill_sglang.tools import haystacks, scoring
 from uniprefill_sglang.tools.shared_context_tasks import (SHARED_MODES, make_shared_case,
                                                           make_shared_cases)
 from uniprefill_sglang.tools.tasks import (_ADJECTIVES, _WORDS, HAYSTACK_TASKS, REPORTING_SEEDS,
-                                           TUNING_SEEDS, fingerprint, make_case, make_cases,
-                                           parse_seeds, seed_set)
+                                           TEST_SEEDS, TUNING_SEEDS, fingerprint, make_case,
+                                           make_cases, parse_seeds, seed_set)
 
 SEED = REPORTING_SEEDS[0]
 
@@ -31,12 +31,13 @@ def tokenizer(smollm2_path):
 # ---- haystacks ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("seed", [7, TEST_SEEDS[0], TEST_SEEDS[-1]])
 @pytest.mark.parametrize("kind", haystacks.HAYSTACKS)
-def test_haystacks_grow_by_prefix_and_hold_nothing_a_question_asks(kind):
-    long = haystacks.units(kind, 300, seed=7)
+def test_haystacks_grow_by_prefix_and_hold_nothing_a_question_asks(kind, seed):
+    long = haystacks.units(kind, 300, seed=seed)
     assert len(long) == 300
     for n in (0, 1, 37, 299):
-        assert haystacks.units(kind, n, seed=7) == long[:n]
+        assert haystacks.units(kind, n, seed=seed) == long[:n]
     text = " ".join(long)
     assert not re.search(r"\d", text)
     vocab = set(_WORDS) | set(_ADJECTIVES)
@@ -54,6 +55,39 @@ def test_prose_order_follows_the_seed_and_essay_repeats():
     assert e[:len(haystacks.ESSAY_SENTENCES)] == e[len(haystacks.ESSAY_SENTENCES):]
     with pytest.raises(ValueError):
         haystacks.units("lorem", 3)
+
+
+# sha256 of "\n".join(units(kind, 500, seed)) for every tuning and validation seed, as the
+# recorded cases were built: test seeds must not change them.
+_FIXED_TEXT = {"essay": "2ea53091c0fbf3e1", "manual": "9583eb55c05032cd"}
+
+
+@pytest.mark.parametrize("kind", sorted(_FIXED_TEXT))
+def test_essay_and_manual_are_fresh_text_on_test_seeds_only(kind):
+    import hashlib
+
+    def digest(seed):
+        return hashlib.sha256("\n".join(haystacks.units(kind, 500, seed)).encode()).hexdigest()
+
+    for seed in (TUNING_SEEDS[0], TUNING_SEEDS[-1], REPORTING_SEEDS[0], REPORTING_SEEDS[-1]):
+        assert digest(seed)[:16] == _FIXED_TEXT[kind], seed
+    pool = haystacks.ESSAY_SENTENCES if kind == "essay" else haystacks.MANUAL_SENTENCES
+    a, b = (haystacks.units(kind, 4 * len(pool), s) for s in TEST_SEEDS[:2])
+    assert a != b and digest(TEST_SEEDS[0])[:16] != _FIXED_TEXT[kind]
+    for text in (a, b):  # the same sentences, each round a whole pass over them
+        for r in range(4):
+            assert sorted(text[r * len(pool):(r + 1) * len(pool)]) == sorted(pool)
+    if kind == "essay":  # paragraphs move, each stays whole and in order
+        starts = {p[0]: p for p in haystacks.ESSAY_PARAGRAPHS}
+        i = 0
+        while i < len(a):
+            assert tuple(a[i:i + len(starts[a[i]])]) == starts[a[i]]
+            i += len(starts[a[i]])
+    else:  # every round is the steps in order from some step
+        for r in range(4):
+            rnd = a[r * len(pool):(r + 1) * len(pool)]
+            k = pool.index(rnd[0])
+            assert tuple(rnd) == pool[k:] + pool[:k]
 
 
 # ---- scoring --------------------------------------------------------------------------------
@@ -81,14 +115,19 @@ def test_ruler_and_scbench_rules():
 
 
 def test_seed_sets_are_disjoint_and_named():
-    assert not set(TUNING_SEEDS) & set(REPORTING_SEEDS)
+    sets = (TUNING_SEEDS, REPORTING_SEEDS, TEST_SEEDS)
+    assert sum(len(s) for s in sets) == len(set().union(*sets)) == 3000
     assert seed_set(0) == "tuning" and seed_set(SEED) == "reporting"
-    with pytest.raises(ValueError):
-        seed_set(-1)
+    assert seed_set(1999) == "reporting" and seed_set(2000) == seed_set(2999) == "test"
+    for outside in (-1, 3000):
+        with pytest.raises(ValueError):
+            seed_set(outside)
     assert parse_seeds("reporting:2") == list(REPORTING_SEEDS[:2])
     assert parse_seeds("tuning:1") == [TUNING_SEEDS[0]] and parse_seeds("3,5") == [3, 5]
-    with pytest.raises(ValueError):
-        parse_seeds("heldout:2")
+    assert parse_seeds("test:1") == [2000] and parse_seeds("test:3") == [2000, 2001, 2002]
+    for bad in ("heldout:2", "test:0", "test:x", "test:1001"):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
 
 
 def test_calibration_refuses_reporting_seeds():
@@ -96,8 +135,9 @@ def test_calibration_refuses_reporting_seeds():
     args = cal.parse_args(base)  # its defaults are tuning seeds
     assert {*cal._ints(args.seeds), *cal._ints(args.heldout_seeds)} <= set(TUNING_SEEDS)
     for flag in ("--seeds", "--heldout-seeds"):
-        with pytest.raises(SystemExit):
-            cal.parse_args(base + [flag, str(SEED)])
+        for seed in (SEED, TEST_SEEDS[0]):
+            with pytest.raises(SystemExit):
+                cal.parse_args(base + [flag, str(seed)])
     with pytest.raises(ValueError, match="tuning seeds only"):
         cal._cases(None, [SEED], [0.5], ["niah_number"], ["noise"])
 
@@ -235,3 +275,21 @@ def test_shared_grid_names_and_seeds(tokenizer):
     assert kv0.queries[0].answer != kv1.queries[0].answer
     with pytest.raises(ValueError):
         make_shared_case(tokenizer, "vt", 1200)
+
+
+def test_the_recorded_validation_and_test_cases_are_generated_again_byte_for_byte(tokenizer):
+    """The validation run of SmolLM2's shipped profile (reporting seed 1000, manual, prose and
+    essay haystacks) and its test run (seed 2000, fresh text): the cases their result files
+    fingerprint are the cases the generator gives today."""
+    import json
+    from pathlib import Path
+
+    fidelity = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "fidelity"
+    for name in ("eval_smollm2_two_drops_reporting.json", "eval_smollm2_shipped_test_7600.json"):
+        meta = json.loads((fidelity / name).read_text())["meta"]
+        cases = []
+        for spec in meta["tasks"]:
+            task, hay = spec.split("/")
+            cases += make_cases(tokenizer, [task], meta["lengths"], meta["depths"],
+                                meta["seeds"], meta["fmt"], [hay])
+        assert fingerprint(cases) == meta["case_fingerprint"], name

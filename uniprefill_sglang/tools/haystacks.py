@@ -15,6 +15,11 @@ are local stand-ins of its three shapes, in our own words, the fourth a register
   in order and repeated: a fourth register, for reporting on a haystack that calibration on
   the other three never saw.
 
+``essay`` and ``manual`` are the same text for every tuning and validation seed. On test seeds
+(``seeds.TEST_SEEDS``) they change with the seed, so that a test case is new text and not only
+new needles: every round of the essay puts its paragraphs in a seeded order, every round of the
+manual starts at a seeded step (then runs through all steps in order).
+
 A haystack is a list of units (sentences), so that a needle is inserted between sentences;
 ``units(kind, n, seed)`` is a prefix of ``units(kind, n + 1, seed)`` (the token count grows with
 ``n``, which the binary search that fills a token budget relies on). No unit holds a digit, a
@@ -25,6 +30,8 @@ about ("special magic", "pass key", "value", "VAR"); ``tests/test_haystacks.py``
 from __future__ import annotations
 
 import random
+
+from uniprefill_sglang.tools.seeds import TEST_SEEDS
 
 HAYSTACKS = ("noise", "prose", "essay", "manual")
 
@@ -149,23 +156,33 @@ MANUAL_SENTENCES = (
 )
 
 
-def units(kind: str, n: int, seed: int = 0) -> list[str]:
-    """The first ``n`` sentences of haystack ``kind`` (``seed`` orders the ``prose`` rounds)."""
-    if kind == "noise":
-        pool = NOISE_SENTENCES
-        return [pool[i % len(pool)] for i in range(n)]
-    if kind in ("essay", "manual"):
-        pool = ESSAY_SENTENCES if kind == "essay" else MANUAL_SENTENCES
-        return [pool[i % len(pool)] for i in range(n)]
+def _round(kind: str, seed: int, r: int) -> list[str]:
+    """Round ``r`` of a seeded haystack: every sentence of the pool once."""
+    rng = random.Random(f"{kind}:{seed}:{r}")
     if kind == "prose":
-        out: list[str] = []
-        r = 0
-        while len(out) < n:
-            out.extend(random.Random(f"prose:{seed}:{r}").sample(PROSE_SENTENCES,
-                                                                 len(PROSE_SENTENCES)))
-            r += 1
-        return out[:n]
-    raise ValueError(f"unknown haystack {kind!r}; expected one of {HAYSTACKS}")
+        return rng.sample(PROSE_SENTENCES, len(PROSE_SENTENCES))
+    if kind == "essay":  # paragraphs reordered, each paragraph's argument kept in order
+        return [s for p in rng.sample(ESSAY_PARAGRAPHS, len(ESSAY_PARAGRAPHS)) for s in p]
+    start = rng.randrange(len(MANUAL_SENTENCES))  # manual: the steps in order from ``start``
+    return list(MANUAL_SENTENCES[start:] + MANUAL_SENTENCES[:start])
+
+
+def units(kind: str, n: int, seed: int = 0) -> list[str]:
+    """The first ``n`` sentences of haystack ``kind``. ``seed`` orders the ``prose`` rounds, and
+    on test seeds (``seeds.TEST_SEEDS``) the ``essay`` and ``manual`` rounds too: their text
+    on tuning and validation seeds is the fixed repetition every recorded case was built from."""
+    if kind not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {kind!r}; expected one of {HAYSTACKS}")
+    if kind == "noise" or (kind in ("essay", "manual") and seed not in TEST_SEEDS):
+        pool = {"noise": NOISE_SENTENCES, "essay": ESSAY_SENTENCES,
+                "manual": MANUAL_SENTENCES}[kind]
+        return [pool[i % len(pool)] for i in range(n)]
+    out: list[str] = []
+    r = 0
+    while len(out) < n:
+        out.extend(_round(kind, seed, r))
+        r += 1
+    return out[:n]
 
 
 def min_unit_tokens(kind: str) -> int:

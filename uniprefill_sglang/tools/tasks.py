@@ -46,8 +46,10 @@ A case is correct (``check``) when every expected answer appears in the output a
 (``scoring.py``): the fraction of the answers found as substrings (``string_match_all``; ``qa``:
 ``string_match_part``), with no penalty for naming a distractor.
 
-Seeds: ``TUNING_SEEDS`` (what calibration and any other choice of settings may look at) and
-``REPORTING_SEEDS`` (what reported figures use) are disjoint; ``seed_set`` names a seed's set.
+Seeds (``seeds.py``): ``TUNING_SEEDS`` (0-999, what calibration and any other choice of settings
+may look at), ``REPORTING_SEEDS`` (1000-1999, the validation set that chooses among candidates)
+and ``TEST_SEEDS`` (2000-2999, evaluated once per shipped profile, with fresh ``essay`` and
+``manual`` text) are disjoint; ``seed_set`` names a seed's set.
 
 Prompts are ``fmt="plain"`` (context, question, then an answer primer the model completes:
 what SmolLM2-135M-Instruct does best, e.g. pass key at 1K 6/6 plain, 4/6 chat), ``fmt="chat"``
@@ -55,8 +57,9 @@ what SmolLM2-135M-Instruct does best, e.g. pass key at 1K 6/6 plain, 4/6 chat), 
 ``fmt="chat_noprimer"`` (chat template, no primer). Token ids are the tokenizer's own encoding
 *with* its special tokens (Gemma's ``<bos>``; SmolLM2 adds none).
 
-Randomness comes only from ``random.Random(f"{task}:{seed}")`` (and the ``prose`` haystack's
-``random.Random(f"prose:{seed}:{round}")``): the same task and seed give the
+Randomness comes only from ``random.Random(f"{task}:{seed}")`` (and the haystacks' per-round
+``random.Random(f"{kind}:{seed}:{round}")``, ``essay`` and ``manual`` on test seeds only): the
+same task and seed give the
 same key, value and distractors at every length and depth (only the haystack and the position
 change), and the same tokenizer gives the same ids on every machine.
 
@@ -77,6 +80,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from uniprefill_sglang.tools import haystacks as _haystacks
 from uniprefill_sglang.tools import scoring as _scoring
+from uniprefill_sglang.tools.seeds import (REPORTING_SEEDS, TEST_SEEDS, TUNING_SEEDS,  # noqa: F401
+                                         parse_seeds, seed_set)
 
 TASKS = (
     "niah_number",
@@ -110,33 +115,6 @@ MAX_NEW_TOKENS = {
     "cwe": 64,
     "fwe": 24,
 }
-
-# Disjoint named seed sets: calibration (and any tuning) draws from the first only, reported
-# figures from the second only.
-TUNING_SEEDS = tuple(range(0, 1000))
-REPORTING_SEEDS = tuple(range(1000, 2000))
-
-
-def seed_set(seed: int) -> str:
-    """``"tuning"`` or ``"reporting"``; a seed in neither raises."""
-    if seed in TUNING_SEEDS:
-        return "tuning"
-    if seed in REPORTING_SEEDS:
-        return "reporting"
-    raise ValueError(f"seed {seed} is in neither TUNING_SEEDS nor REPORTING_SEEDS")
-
-
-def parse_seeds(text: str) -> list[int]:
-    """``"0,1"``, or a named set's first seeds: ``"reporting:3"`` (1000, 1001, 1002),
-    ``"tuning:2"``."""
-    if ":" in text:
-        name, k = text.split(":", 1)
-        sets = {"tuning": TUNING_SEEDS, "reporting": REPORTING_SEEDS}
-        if name not in sets:
-            raise ValueError(f"unknown seed set {name!r}; expected tuning or reporting")
-        return list(sets[name][:int(k)])
-    return [int(x) for x in text.split(",") if x]
-
 
 FILLER_SENTENCES = _haystacks.NOISE_SENTENCES
 
