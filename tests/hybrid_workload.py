@@ -1,9 +1,11 @@
-"""The workloads of the reduced hybrid models (Qwen3-Next, LFM2).
+"""The workloads of the reduced random-weight models (the hybrids Qwen3-Next and LFM2, the
+mixtures of experts).
 
 * `run_hybrid_workload` (CPU engine): one prompt dense (UniPrefill off per request), at top-p
   1.0 and at a forced keep; another prompt at the forced keep; both batched; then, on an engine
   chunking at 128 tokens, the first prompt at the forced keep, at top-p 1.0 and dense (the last
-  two with log-probabilities). Each engine's idle state is recorded after its requests.
+  two with log-probabilities). Each engine's idle state is recorded after its requests. With the
+  radix cache on, each request finds it empty, and the idle state is the flushed cache's.
 * `prefix_cache_workload` (CPU engine and GPU, the radix cache on): a cached document and a
   second conversation turn, asked dense and with UniPrefill over the same cached prefix
   (test_hybrid_prefix_cache.py says what each record is for).
@@ -25,40 +27,66 @@ def random_prompts(vocab_size: int, lengths=(300, 220)) -> list:
 
 
 def run_hybrid_workload(make_engine, prompt: list, other: list, greedy: dict,
-                        forced: dict) -> dict:
-    """`make_engine(chunked_prefill_size=...)` starts an engine of the model under test."""
+                        forced: dict, more=None) -> dict:
+    """`make_engine(chunked_prefill_size=...)` starts an engine of the model under test;
+    `more(engine)`, if given, returns more records from the first engine, asked after the rest
+    and before its idle state."""
     out = {}
     engine = make_engine(chunked_prefill_size=4096)
     try:
         out["server"] = engine.get_server_info()
-        out["dense"] = engine.generate(input_ids=prompt, sampling_params=dict(
+        ask = _on_an_empty_cache(engine, out["server"])
+        out["dense"] = ask(input_ids=prompt, sampling_params=dict(
             greedy, custom_params={"uniprefill": False}))
-        out["full"] = engine.generate(input_ids=prompt, sampling_params=dict(
+        out["full"] = ask(input_ids=prompt, sampling_params=dict(
             greedy, custom_params={"uniprefill_top_p": 1.0}))
-        out["forced"] = engine.generate(input_ids=prompt, sampling_params=forced)
-        out["other"] = engine.generate(input_ids=other, sampling_params=forced)
-        out["batch"] = engine.generate(input_ids=[prompt, other], sampling_params=forced)
-        out["state"] = idle_state(engine)
+        out["forced"] = ask(input_ids=prompt, sampling_params=forced)
+        out["other"] = ask(input_ids=other, sampling_params=forced)
+        out["batch"] = ask(input_ids=[prompt, other], sampling_params=forced)
+        if more is not None:
+            out.update(more(engine))
+        out["state"] = _flushed_idle_state(engine, out["server"])
     finally:
         engine.shutdown()
     engine = make_engine(chunked_prefill_size=128)  # several chunks for prompts of 200+ tokens
     try:
-        out["chunked"] = engine.generate(input_ids=prompt, sampling_params=forced)
-        out["chunked_full"] = engine.generate(input_ids=prompt, sampling_params=dict(
+        server = engine.get_server_info()
+        ask = _on_an_empty_cache(engine, server)
+        out["chunked"] = ask(input_ids=prompt, sampling_params=forced)
+        out["chunked_full"] = ask(input_ids=prompt, sampling_params=dict(
             greedy, custom_params={"uniprefill_top_p": 1.0}), return_logprob=True)
-        out["chunked_dense"] = engine.generate(input_ids=prompt, sampling_params=dict(
+        out["chunked_dense"] = ask(input_ids=prompt, sampling_params=dict(
             greedy, custom_params={"uniprefill": False}), return_logprob=True)
-        out["chunked_state"] = idle_state(engine)
+        out["chunked_state"] = _flushed_idle_state(engine, server)
     finally:
         engine.shutdown()
     return out
 
 
+def _on_an_empty_cache(engine, server_info: dict):
+    """engine.generate, the radix cache (if on) flushed before each request."""
+    if server_info["disable_radix_cache"]:
+        return engine.generate
+
+    def ask(**kwargs):
+        flush_cache(engine)
+        return engine.generate(**kwargs)
+
+    return ask
+
+
+def _flushed_idle_state(engine, server_info: dict) -> dict:
+    if not server_info["disable_radix_cache"]:
+        flush_cache(engine)
+    return idle_state(engine)
+
+
 def assert_nothing_left(runs: dict) -> None:
-    """Both engines idle with no parked request, request slot or KV slot held."""
+    """Both engines idle with no parked request, request slot, private prefix slot or KV slot
+    held."""
     for key in ("state", "chunked_state"):
         state = runs[key]
-        assert state["parked_requests"] == 0
+        assert state["parked_requests"] == 0 and state["private_prefix_slots"] == 0
         assert state["free_req_slots"] == state["req_slots"]
         assert state["available_kv_tokens"] == state["max_total_num_tokens"]
 

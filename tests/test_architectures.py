@@ -1,5 +1,6 @@
 """One integration, several model families: Qwen2 and Qwen3 (Llama is SmolLM2 elsewhere, Gemma 3
-in test_gemma3.py); and an architecture without an integration, served dense.
+in test_gemma3.py, the mixtures of experts in test_moe_families.py); and an architecture without
+an integration, served dense.
 
 Small random-weight models (`load_format="dummy"`) built from a config.json at test time, served
 by SGLang's CPU engine with the SmolLM2 tokenizer. Random weights make attention near-uniform,

@@ -114,6 +114,18 @@ TINY = {
                                     "sliding_attention": {"rope_type": "default",
                                                           "rope_theta": 1e4}},
                    initializer_range=0.2, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+    # mixtures of experts: the attention a drop scores at is the decoder's; Qwen3-MoE's has
+    # per-head query and key norms, Qwen2-MoE's q/k/v biases
+    **{family: dict(architectures=[arch], model_type=family, vocab_size=256, hidden_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                    rope_theta=10000.0, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                    num_experts_per_tok=2, **experts)
+       for family, arch, experts in (
+           ("qwen3_moe", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=32)),
+           ("qwen2_moe", "Qwen2MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=64)),
+           ("mixtral", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=32)))},
 }
 
 
@@ -257,6 +269,28 @@ def test_the_shape_of_a_hybrid_and_its_default_schedule():
     assert shape.default_schedule() == cal.Schedule((11,), 0.975, 64)  # the paper's Gemma 3 rule
     assert SMOLLM2.full_layers is None
     assert SMOLLM2.default_schedule() == cal.Schedule((7, 10, 14, 18, 22, 25), 0.99, 64)
+
+
+@pytest.mark.parametrize("family, depth, layers", [
+    ("qwen3_moe", 48, (10, 16, 22, 28, 34, 40)),  # Qwen3-30B-A3B's depth
+    ("qwen2_moe", 24, (5, 8, 11, 14, 17, 20)),  # Qwen1.5-MoE-A2.7B's
+    ("mixtral", 32, (7, 11, 15, 19, 23, 27)),  # Mixtral-8x7B's: the paper's Llama layers
+])
+def test_a_mixture_of_experts_searches_every_layer_from_the_llama_rule(family, depth, layers):
+    """Every MoE layer attends in full: the search may drop at any layer, and the default is
+    the paper's Llama-3.1-8B schedule scaled to the depth."""
+    from transformers import AutoConfig
+
+    from uniprefill_sglang import architectures
+
+    cfg = AutoConfig.for_model(**dict(TINY[family], num_hidden_layers=depth))
+    entry = architectures.lookup(cfg.architectures)
+    assert entry is not None and entry.default_drop_layers is architectures.scaled_reference_layers
+    shape = cal.ModelShape.from_hf_config(cfg)
+    assert shape.full_layers is None
+    assert shape.default_schedule() == cal.Schedule(layers, 0.99, 64)
+    assert cal.candidate_layer_sets(depth, full_layers=shape.full_layers) == \
+        cal.candidate_layer_sets(depth)
 
 
 # ---- profiles ---------------------------------------------------------------------------------

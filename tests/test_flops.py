@@ -120,7 +120,7 @@ def test_shapes_from_configs():
                     layer_types=["linear_attention"] * 3 + ["full_attention"])
     shape = FlopShape.from_config(next_cfg)
     assert shape.layer_kinds == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
-    assert shape.mlp_params == 3 * 256 * (2 * 128 + 256)
+    assert shape.mlp_params == 3 * 256 * (2 * 128 + 256) + 256  # the shared expert's gate too
     assert shape.attention_params == 256 * (2 * 4 * 64 + 2 * 2 * 64) + 4 * 64 * 256
     assert shape.linear_state_flops == 4 * 4 * 32 * 32
 
@@ -144,3 +144,45 @@ def test_lfm2_shape_prices_its_conv_layers_and_sglang_mlp_width():
     n = 32768
     assert layer_flops(shape, SHORT_CONV, n, n) == 2.0 * 4 * h * h * n + 2 * h * 4 * n
     assert layer_flops(shape, SHORT_CONV, n, n) < layer_flops(shape, FULL_ATTENTION, n, n) / 4
+
+
+def _moe_params_per_token(block, top_k: int) -> int:
+    """Parameters one token runs through in a transformers MoE block, counted from its modules:
+    the router, `top_k` of the experts (stored stacked, one slice per expert) and the shared
+    expert and its gate where the block has them."""
+    experts = block.experts
+    per_expert = sum(p.numel() for p in experts.parameters()) // experts.num_experts
+    shared = [m for name in ("shared_expert", "shared_expert_gate")
+              if (m := getattr(block, name, None)) is not None]
+    return (block.gate.weight.numel() + top_k * per_expert
+            + sum(p.numel() for m in shared for p in m.parameters()))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_block_prices_the_router_active_experts_and_shared_expert(family):
+    """An MoE layer per token is its router, top-k experts and shared expert (Qwen2-MoE), on
+    fresh random sizes, against the parameters of the block transformers builds for them; the
+    config read as an object and as config.json agree."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    rng = random.Random()
+    h, width = rng.choice((32, 48, 64)), rng.randrange(8, 40)
+    num_experts, top_k = rng.randrange(4, 9), rng.randrange(1, 4)
+    sizes = {"qwen3_moe": dict(moe_intermediate_size=width, num_experts=num_experts),
+             "qwen2_moe": dict(moe_intermediate_size=width, num_experts=num_experts,
+                               shared_expert_intermediate_size=rng.randrange(8, 80)),
+             "mixtral": dict(intermediate_size=width, num_local_experts=num_experts)}[family]
+    cfg = transformers.AutoConfig.for_model(
+        family, vocab_size=64, hidden_size=h, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=top_k, **sizes)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    want = _moe_params_per_token(model.model.layers[0].mlp, top_k)
+    shape = FlopShape.from_config(cfg)
+    assert shape.mlp_params == want
+    assert FlopShape.from_config(cfg.to_dict()).mlp_params == want
+    # Dropped rows skip their experts: the MLP share of prefill scales with the kept rows.
+    no_attention = FlopShape(**{**shape.__dict__, "attention_params": 0, "num_heads": 0})
+    n, kept = rng.randrange(200, 400), rng.randrange(20, 100)
+    assert prefill_flops([n, kept], (0,), no_attention) == 2 * want * kept * 2
+    assert prefill_flops([n], (), no_attention) == 2 * want * n * 2

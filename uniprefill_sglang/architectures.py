@@ -60,6 +60,9 @@ GEMMA3 = DecoderShape(
 # feed_forward; called as layer(layer_id=, positions=, hidden_states=, residual=, forward_batch=),
 # where `residual` is the previous layer's input (non-None from the second layer on).
 LFM2 = DecoderShape(residual_norm=None, mlp="feed_forward", linear_mixer="conv")
+# Mixtral: the Llama shape, its MoE block named `block_sparse_moe`. (Qwen2-MoE and Qwen3-MoE keep
+# theirs as `mlp`: the Llama shape itself.)
+MIXTRAL = DecoderShape(residual_norm="post_attention_layernorm", mlp="block_sparse_moe")
 # Qwen3-Next: the Llama shape, and Gated DeltaNet layers whose mixer is `linear_attn`.
 QWEN3_NEXT = DecoderShape(residual_norm="post_attention_layernorm", linear_mixer="linear_attn")
 
@@ -111,6 +114,14 @@ class Architecture:
 ARCHITECTURES: Tuple[Architecture, ...] = (
     Architecture(frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                             "Qwen3ForCausalLM"}), LLAMA),
+    # Mixtures of experts on the Llama pattern: the router and the top-k experts (and Qwen2-MoE's
+    # gated shared expert) run per row, so after a drop they run over the survivors only,
+    # through the MoE path SGLang picks (its top-k masks rows past the batch's non-padded count,
+    # a bound the survivors stay under). The paper has no MoE run: the default is the Llama rule
+    # scaled by depth (Mixtral-8x7B, 32 layers: the paper's 7 ... 27; Qwen3-30B-A3B, 48 layers:
+    # 10, 16, 22, 28, 34, 40); not measured.
+    Architecture(frozenset({"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}), LLAMA),
+    Architecture(frozenset({"MixtralForCausalLM"}), MIXTRAL),
     # The paper's Gemma-3 runs: drops at its global layers from 60% depth, top-p 0.975.
     Architecture(frozenset({"Gemma3ForCausalLM"}), GEMMA3,
                  layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),

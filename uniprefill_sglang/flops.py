@@ -8,8 +8,10 @@ tokens actually kept (`kept[s]`: the rows stage s runs on; `kept[0]` the prompt)
   within its window (sliding-window attention, the window measured in original positions), a
   recurrent state update and read-out per row (linear attention, e.g. Gated DeltaNet), or a
   short depthwise convolution and its two gates per row (LFM2's gated short convolution);
-* the MLP, or the experts a token is routed to, on the rows leaving it (at a drop layer the
-  survivors: the drop comes right after the layer's attention).
+* the MLP on the rows leaving it (at a drop layer the survivors: the drop comes right after the
+  layer's attention); an MoE block per row as its router, the top-k experts the row is routed
+  to, and a shared expert with its gate where the family has one (Qwen2-MoE, Qwen3-Next).
+  SGLang builds every layer of Qwen2-MoE and Qwen3-MoE sparse (`mlp_only_layers` unread).
 
 After a drop the survivors of a sliding-window layer are spread over the whole prompt; the
 model takes them as evenly spread, so a window of W positions holds about W * kept / prompt of
@@ -37,7 +39,7 @@ class FlopShape:
     num_heads: int
     head_dim: int
     attention_params: int  # q/k/v/o projections of a (full or sliding) attention layer
-    mlp_params: int  # the MLP, or the routed and shared experts one token runs through
+    mlp_params: int  # the MLP, or the router and the experts one token runs through
     layer_kinds: Tuple[str, ...]
     sliding_window: int = 0  # a query sees keys at most this many positions back
     linear_params: int = 0  # projections of a linear-attention layer
@@ -69,7 +71,7 @@ class FlopShape:
         return cls(
             num_heads=heads, head_dim=d,
             attention_params=h * (q_out + 2 * kv_heads * d) + heads * d * h,
-            mlp_params=3 * h * _mlp_width(get),
+            mlp_params=_mlp_params(get, h),
             layer_kinds=layer_kinds(config_layer_types(cfg), get("num_hidden_layers")),
             sliding_window=get("sliding_window") or 0,
             linear_params=_linear_params(get, h), linear_state_flops=_linear_state_flops(get),
@@ -77,13 +79,21 @@ class FlopShape:
             conv_mix_flops=2 * h * (get("conv_L_cache") + 1) if get("conv_L_cache") else 0)
 
 
+def _mlp_params(get, h: int) -> int:
+    """Parameters one token's MLP runs through (each a gate, up and down projection): the dense
+    MLP's, or an MoE block's router, its top-k routed experts (each `moe_intermediate_size`
+    wide; Mixtral's `intermediate_size`) and the shared expert and its one-output gate."""
+    top_k = get("num_experts_per_tok")
+    experts = get("num_experts") or get("num_local_experts") or 0
+    if not top_k or not (experts or get("moe_intermediate_size")):
+        return 3 * h * _mlp_width(get)
+    expert_width = get("moe_intermediate_size") or get("intermediate_size")
+    shared = get("shared_expert_intermediate_size") or 0
+    return h * experts + 3 * h * (top_k * expert_width + shared) + (h if shared else 0)
+
+
 def _mlp_width(get) -> int:
-    """Intermediate width one token runs through: the MLP's, or its routed experts' and the
-    shared expert's."""
-    experts = get("num_experts_per_tok")
-    if experts and get("moe_intermediate_size"):
-        return experts * get("moe_intermediate_size") + (
-            get("shared_expert_intermediate_size") or 0)
+    """A dense MLP's intermediate width."""
     width = get("intermediate_size")
     if get("block_auto_adjust_ff_dim"):  # LFM2 sizes its SwiGLU as SGLang's Lfm2MLP does
         width = int(2 * width / 3)
