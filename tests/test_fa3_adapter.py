@@ -74,3 +74,26 @@ def test_a_users_backends_are_kept(monkeypatch):
         None, "fa3", "triton")
     with pytest.raises(UniPrefillConfigError, match="--decode-attention-backend fa3"):
         _choose(monkeypatch, "fa3", LLAMA, attention="fa3", decode="fa3")
+
+
+def test_a_view_the_call_cannot_take_is_refused_naming_why():
+    """`common.refuse_unservable_view`, which the FA3 and Triton adapters share."""
+    from uniprefill_sglang.backends.common import StageViewAdapter, refuse_unservable_view
+    from uniprefill_sglang.errors import UniPrefillError
+
+    class Adapter(StageViewAdapter):
+        target = "sglang.srt.layers.attention.some_backend.SomeBackend"
+
+        def unsupported_reason(self, backend):
+            return backend.why
+
+    layer, kv = SimpleNamespace(layer_id=3), torch.zeros(1)
+    served = SimpleNamespace(why=None)
+    refuse_unservable_view(Adapter(), served, layer, kv, kv, {"score_mod": None})  # servable
+    for backend, k, kwargs, why in (
+            (SimpleNamespace(why="a page size other than 1"), kv, {}, "a page size other than 1"),
+            (served, None, {}, "no new keys"),
+            (served, kv, {"score_mod": object()}, "a score_mod"),
+            (served, kv, {"rel_bias": object()}, "a rel_bias")):
+        with pytest.raises(UniPrefillError, match=f"SomeBackend layer 3 .*\\({why}\\)"):
+            refuse_unservable_view(Adapter(), backend, layer, k, kv, kwargs)

@@ -18,7 +18,7 @@ import torch
 
 from uniprefill_sglang import environ, kernels
 from uniprefill_sglang.device import to_device
-from uniprefill_sglang.errors import CheckFailed
+from uniprefill_sglang.errors import CheckFailed, UniPrefillError
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
     extend_stage_slots,
@@ -51,6 +51,22 @@ def needs_view(ctx, runtime, layer=None) -> bool:
 
 def extend_needs_view(ctx, runtime, layer) -> bool:
     return ctx is not None and ctx.is_extend and needs_view(ctx, runtime, layer)
+
+
+def refuse_unservable_view(adapter, backend, layer, k, v, kwargs) -> None:
+    """Raise when a layer that needs a per-stage view cannot take one in this call (a backend
+    set-up the adapter does not serve, no new keys, a score modifier): upstream would read KV
+    the layer's stage does not hold, so the call never falls through to it (the step re-runs
+    without UniPrefill: patches/model_runner.py)."""
+    why = adapter.unsupported_reason(backend)
+    if why is None and (k is None or v is None):
+        why = "no new keys"
+    if why is None:
+        why = next((f"a {name}" for name in ("score_mod", "rel_bias")
+                    if kwargs.get(name) is not None), None)
+    if why is not None:
+        raise UniPrefillError(f"{adapter.class_name} layer {layer.layer_id} needs a per-stage KV "
+                              f"view that this call cannot take ({why})")
 
 
 def sliding_window(layer) -> Optional[int]:

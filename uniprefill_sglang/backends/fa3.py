@@ -30,6 +30,7 @@ from uniprefill_sglang.backends.common import (
     extend_needs_view,
     extend_qo_indptr,
     needs_view,
+    refuse_unservable_view,
     row_piece,
     stage_keys,
     view_cache,
@@ -109,16 +110,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     runtime, ctx = active_runtime(), current()
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
-    why = ADAPTER.unsupported_reason(backend)
-    if why is None and (k is None or v is None):
-        why = "no new keys"
-    if why is None and (kwargs.get("score_mod") is not None
-                        or kwargs.get("rel_bias") is not None):
-        why = "a score_mod or relative bias"
-    if why is not None:
-        # Upstream would read KV this layer's stage does not hold: never fall through to it.
-        raise UniPrefillError(f"FA3 layer {layer.layer_id} needs a per-stage KV view that this "
-                              f"call cannot take ({why})")
+    refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
     stage = runtime.stages.stage(layer.layer_id)
     if save_kv_cache:
         slots = ctx.out_cache_loc[row_piece(ctx).rows]

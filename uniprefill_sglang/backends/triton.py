@@ -42,6 +42,7 @@ from uniprefill_sglang.backends.common import (
     decode_needs_views,
     extend_needs_view,
     extend_qo_indptr,
+    refuse_unservable_view,
     row_piece,
     seq_lens_sum,
     sliding_window,
@@ -52,7 +53,6 @@ from uniprefill_sglang.backends.common import (
     write_kv,
 )
 from uniprefill_sglang.context import current
-from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import stage_views
 from uniprefill_sglang.runtime import get_runtime
 
@@ -140,13 +140,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     runtime, ctx = active_runtime(), current()
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
-    if k is None or v is None or kwargs.get("score_mod") is not None or not ADAPTER.supported(
-            backend):
-        # Upstream would read KV this layer's stage does not hold: never fall through to it.
-        why = ADAPTER.unsupported_reason(backend) or (
-            "no new keys" if k is None or v is None else "a score_mod")
-        raise UniPrefillError(f"Triton layer {layer.layer_id} needs a per-stage KV view that "
-                              f"this call cannot take ({why})")
+    refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
     stage = runtime.stages.stage(layer.layer_id)
     # From the live batch (the drop context; under the breakable prefill graph `forward_batch`
     # is a static copy).
