@@ -89,7 +89,7 @@ def _rejoin_cost(model_runner, architecture):
     """What parking a chunked prompt costs in device memory (parking.RejoinCost)."""
     from uniprefill_sglang.model_integration import mixer_size, query_size
     from uniprefill_sglang.parking import RejoinCost
-    from uniprefill_sglang.runtime import slot_bytes_per_layer
+    from uniprefill_sglang.stage_pools import slot_bytes_per_layer
 
     hidden = model_runner.model_config.hidden_size
     mlp = architecture.shape.mlp if architecture is not None else "mlp"

@@ -19,14 +19,13 @@ import torch
 from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext
-from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, SlotStages
 from uniprefill_sglang.parking import ParkingLot, rejoin_record, start_peak_measure
 from uniprefill_sglang.prefix_reuse import PrefixReuse
 from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
 from uniprefill_sglang.request_plan import forward_plan, is_prefill_mode
 from uniprefill_sglang.selection import SelectionRule
-from uniprefill_sglang.stage_pools import StagePools
+from uniprefill_sglang.stage_pools import slot_bytes_per_layer, wire_stage_pools
 from uniprefill_sglang.state import plugin_state
 
 logger = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ class UniPrefillRuntime:
         self.test_selection = environ.TEST_SELECTION.get()
         num_slots = _kv_rows(token_to_kv_pool, stages.drop_layers[0] if stages.drop_layers else 0)
         self.slots = SlotStages(num_slots, stages.num_drops, device,
-                                _stage_pools(stages, token_to_kv_pool, allocator, device))
+                                wire_stage_pools(stages, token_to_kv_pool, allocator, device))
         self.kv_gaps = KVGaps(req_to_token_pool.req_to_token.shape[0], stages.num_drops)
         self.stage_kv = RequestStageKV(self.slots, self.kv_gaps, req_to_token_pool.req_to_token)
         # Unset, parking follows the longest sequence the request table holds (the context
@@ -279,33 +278,3 @@ class UniPrefillRuntime:
     def prefix_lens(fb) -> list:
         """Per request of an extend, the tokens before its new ones (cached or earlier chunks)."""
         return list(fb.extend_prefix_lens_cpu or [0] * len(fb.extend_seq_lens_cpu))
-
-
-def _stage_pools(stages: LayerStages, pool, allocator, device):
-    """The stage pools when the KV pool was built with the staged layout (patches/kv_pool.py),
-    wired to the allocator (patches/kv_allocator.py) and the pool's writes; else None."""
-    staged = getattr(pool, "uniprefill", None)
-    if staged is None:
-        return None
-    if allocator is None:
-        raise UniPrefillError("UniPrefill: the staged KV layout needs the KV allocator")
-    bytes_per_slot = [0] * (stages.num_drops + 1)
-    for layer, size in enumerate(slot_bytes_per_layer(pool)):
-        bytes_per_slot[stages.stage(layer)] += size
-    pools = StagePools(staged.layout, pool.size, staged.sizes, bytes_per_slot, device)
-    staged.maps = pools.maps
-    allocator.uniprefill = pools
-    total = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                for k, v in zip(pool.k_buffer, pool.v_buffer))
-    logger.info("UniPrefill staged KV layout: stage pools of %s slots (full pool %d), "
-                "%.1f GiB of KV in all", pools.sizes, pool.size, total / 2**30)
-    return pools
-
-
-def slot_bytes_per_layer(pool) -> list:
-    """K+V bytes of one slot, per layer of the pool (of its full-attention layers, for the pool
-    of a model with linear-attention layers)."""
-    pool = getattr(pool, "full_kv_pool", pool)
-    return [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
-            for k, v in zip(pool.k_buffer, pool.v_buffer)]
-

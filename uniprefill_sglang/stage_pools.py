@@ -18,17 +18,22 @@ index mapping:
 
 `StageLayout` is the static part: which layers form each stage, and each stage pool's size as
 a fraction of the full pool (the expected keep profile, `--uniprefill-stage-kv-fraction`).
+`wire_stage_pools` builds the pools for SGLang's KV pool and allocator at start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import LayerStages
+
+logger = logging.getLogger(__name__)
 
 # Headroom over the expected keep fraction: decode tokens take a slot in every stage, and a
 # fixed keep ratio keeps whole blocks plus the sink and last-query tokens.
@@ -229,3 +234,33 @@ class StagePools:
         sizes, free = [self.full_size] + self.sizes, [int(full_free)] + self.free_counts()
         return [dict(stage=s, layers=layers[s], size=sizes[s], free=free[s],
                      bytes_per_slot=self.bytes_per_slot[s]) for s in range(len(sizes))]
+
+
+def wire_stage_pools(stages: LayerStages, pool, allocator, device):
+    """The stage pools when the KV pool was built with the staged layout (patches/kv_pool.py),
+    wired to the allocator (patches/kv_allocator.py) and the pool's writes; else None."""
+    staged = getattr(pool, "uniprefill", None)
+    if staged is None:
+        return None
+    if allocator is None:
+        raise UniPrefillError("UniPrefill: the staged KV layout needs the KV allocator")
+    bytes_per_slot = [0] * (stages.num_drops + 1)
+    for layer, size in enumerate(slot_bytes_per_layer(pool)):
+        bytes_per_slot[stages.stage(layer)] += size
+    pools = StagePools(staged.layout, pool.size, staged.sizes, bytes_per_slot, device)
+    staged.maps = pools.maps
+    allocator.uniprefill = pools
+    total = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                for k, v in zip(pool.k_buffer, pool.v_buffer))
+    logger.info("UniPrefill staged KV layout: stage pools of %s slots (full pool %d), "
+                "%.1f GiB of KV in all", pools.sizes, pool.size, total / 2**30)
+    return pools
+
+
+def slot_bytes_per_layer(pool) -> list:
+    """K+V bytes of one slot, per layer of the pool (of its full-attention layers, for the pool
+    of a model with linear-attention layers)."""
+    pool = getattr(pool, "full_kv_pool", pool)
+    return [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
+            for k, v in zip(pool.k_buffer, pool.v_buffer)]
+
