@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
+from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, subprocess_suite  # before triton
 
 import uniprefill_sglang.kernels as K  # noqa: E402
 from uniprefill_sglang.kernels.block_sparse_reference import (  # noqa: E402
@@ -42,11 +42,7 @@ SHAPES = [
 SEEDS = [0, 1, 2]
 
 
-@pytest.mark.slow
-def test_cpu_suite_in_subprocess():
-    if RUN_IN_PROCESS:
-        pytest.skip("interpreter tests run in this process")
-    run_file_in_subprocess(__file__)
+test_cpu_suite_in_subprocess = subprocess_suite(__file__)
 
 
 @pytest.fixture(scope="module")

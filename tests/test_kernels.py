@@ -16,7 +16,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
+from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, subprocess_suite  # before triton
 
 import uniprefill_sglang.kernels as K  # noqa: E402
 from uniprefill_sglang.kernels import score_tokens_reference, select_tokens_reference  # noqa: E402
@@ -33,11 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_cpu_suite_in_subprocess():
-    if RUN_IN_PROCESS:
-        pytest.skip("interpreter tests run in this process")
-    run_file_in_subprocess(__file__)
+test_cpu_suite_in_subprocess = subprocess_suite(__file__)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import importlib
 
 import pytest
 import torch
-from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, run_file_in_subprocess  # before triton
+from triton_interpreter import RUN_IN_PROCESS, SKIP_REASON, subprocess_suite  # before triton
 
 import uniprefill_sglang.kernels as K
 from uniprefill_sglang.kernels import positional_attention_reference
@@ -31,11 +31,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 BOUND = {BF16: 4.5e-3, FP16: 6e-4, FP32: 1e-5}
 
 
-@pytest.mark.slow
-def test_cpu_suite_in_subprocess():
-    if RUN_IN_PROCESS:
-        pytest.skip("interpreter tests run in this process")
-    run_file_in_subprocess(__file__)
+test_cpu_suite_in_subprocess = subprocess_suite(__file__)
 
 
 @pytest.fixture(scope="module")

@@ -48,3 +48,18 @@ def run_file_in_subprocess(test_file: str, timeout: float = 1800) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(test_file)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-4000:]
+
+
+def subprocess_suite(test_file: str):
+    """A module's `test_cpu_suite_in_subprocess`: where this process cannot run its Triton tests
+    under the interpreter (`RUN_IN_PROCESS` false), it runs the whole module in a fresh python
+    (`run_file_in_subprocess`); in that fresh python it skips."""
+    import pytest
+
+    @pytest.mark.slow
+    def test_cpu_suite_in_subprocess():
+        if RUN_IN_PROCESS:
+            pytest.skip("interpreter tests run in this process")
+        run_file_in_subprocess(test_file)
+
+    return test_cpu_suite_in_subprocess

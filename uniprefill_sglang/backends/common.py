@@ -253,6 +253,12 @@ class RowPiece(NamedTuple):
     lens: List[int]
     ahead: List[int]
 
+    @property
+    def through(self) -> List[int]:
+        """Per request, its rows through the piece's end: ahead of it and in it (the rows whose
+        keys the piece's queries see after the stage's valid prefix, once the piece wrote its KV)."""
+        return [a + n for a, n in zip(self.ahead, self.lens)]
+
 
 def row_piece(ctx) -> RowPiece:
     bs = len(ctx.lens)
@@ -365,10 +371,8 @@ def window_extend_keys(runtime, req_to_token, ctx, stage: int):
     keys = cache.get(key)
     if keys is not None:
         return keys
-    piece = row_piece(ctx)
-    through = [a + n for a, n in zip(piece.ahead, piece.lens)]
-    kv_indptr, kv_indices, kv_pos = stage_keys(runtime, req_to_token, ctx, stage, through,
-                                               positions=True)
+    kv_indptr, kv_indices, kv_pos = stage_keys(runtime, req_to_token, ctx, stage,
+                                               row_piece(ctx).through, positions=True)
     keys = (extend_qo_indptr(ctx, stage), kv_indptr.to(torch.int64), kv_indices, kv_pos)
     if runtime.check_kv_lens:
         _check_keys_ascend(kv_indptr, kv_pos)

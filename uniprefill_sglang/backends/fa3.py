@@ -90,7 +90,7 @@ def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
     if view is not None:
         return view
     piece = row_piece(ctx)
-    through = [a + n for a, n in zip(piece.ahead, piece.lens)]
+    through = piece.through
     kv_indptr, kv_indices, _ = stage_keys(runtime, backend.req_to_token, ctx, stage, through)
     # Host lengths: the stage's valid prefix (the plans' mirror) and the rows through the piece.
     counts = [p[stage] + t for p, t in zip(ctx.prefix_valid, through)]

@@ -354,8 +354,7 @@ def _plan_piece_view(backend, runtime, ctx, stage: int) -> _StageView:
             _plan_paged(backend, view.prefix, piece.lens, prefix_lens, indices.to(torch.int32),
                         causal=False, non_blocking=False)
         return view
-    through = [a + n for a, n in zip(piece.ahead, piece.lens)]
-    _, indices, _ = stage_keys(runtime, req_to_token, ctx, stage, through)
+    _, indices, _ = stage_keys(runtime, req_to_token, ctx, stage, piece.through)
     view = _StageView(paged=_wrapper(backend, "paged", PIECE))
     _plan_paged(backend, view.paged, piece.lens,
                 [p + n for p, n in zip(prefix_lens, piece.lens)], indices.to(torch.int32),
