@@ -14,7 +14,7 @@ import torch
 
 from uniprefill_sglang import kernels
 from uniprefill_sglang.backends.common import row_piece, stage_keys
-from uniprefill_sglang.context import DropContext, gather_in_place
+from uniprefill_sglang.context import DropContext, gather_from_sources, gather_in_place
 from uniprefill_sglang.kv_validity import SlotStages
 
 DROPS = 3
@@ -189,3 +189,17 @@ def test_the_drops_gather_in_place_equals_a_gather():
         expected = strided.index_select(0, rows)
         out = gather_in_place(strided, rows)
         assert out.data_ptr() != strided.data_ptr() and torch.equal(out, expected)
+
+
+def test_a_rejoins_gather_from_its_sources_equals_a_gather_of_their_concatenation():
+    """The step's own rows and each request's parked rows, gathered to the survivors in the
+    (request, position) order a rejoin leaves them in: any order of rows, some sources unread."""
+    rng = random.Random()
+    for _ in range(100):
+        width = rng.randint(1, 24)
+        sources = [torch.randn(rng.randint(0 if i else 1, 80), width)
+                   for i in range(rng.randint(1, 5))]
+        n = sum(s.shape[0] for s in sources)
+        rows = torch.tensor(rng.sample(range(n), rng.randint(1, n)), dtype=torch.int64)
+        expected = torch.cat(sources).index_select(0, rows)
+        assert torch.equal(gather_from_sources(sources, rows), expected)
