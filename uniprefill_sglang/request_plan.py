@@ -88,7 +88,7 @@ class BatchPlan:
 
 @dataclasses.dataclass
 class ForwardInputs:
-    """What the ForwardBatch hook attaches as `forward_batch.uniprefill`: the batch's req-pool
+    """What the ForwardBatch hook attaches as `forward_batch.uniprefill_inputs`: the batch's req-pool
     rows on the host (decode and every drop read them without a device sync) and, for an
     extend, its plan."""
     req_rows: List[int]
@@ -96,7 +96,7 @@ class ForwardInputs:
 
 
 def forward_plan(fb) -> Optional[BatchPlan]:
-    inputs = getattr(fb, "uniprefill", None)
+    inputs = getattr(fb, "uniprefill_inputs", None)
     return inputs.plan if inputs is not None else None
 
 

@@ -268,7 +268,7 @@ class UniPrefillRuntime:
     @staticmethod
     def host_rows(fb) -> list:
         """The batch's req-pool rows on the host (attached by the ForwardBatch hook)."""
-        inputs = getattr(fb, "uniprefill", None)
+        inputs = getattr(fb, "uniprefill_inputs", None)
         rows = inputs.req_rows if inputs is not None else None
         if rows is None or len(rows) != fb.batch_size:
             rows = fb.req_pool_indices.tolist()

@@ -457,7 +457,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
                         fixed_split_size=backend.decode_split_tile_size, **kw)
         wrappers.append(w)
     staged = DecodeMetadata(wrappers, swa_out_cache_loc=meta.swa_out_cache_loc)
-    staged.uniprefill = True  # one decode wrapper per stage
+    staged.uniprefill_stage_wrappers = True
     window = _model_window(backend)
     if window is not None:
         _, indptr, indices, pos = _decode_window_views(backend, runtime, fb, bs, bs, window)
@@ -494,7 +494,7 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 def get_wrapper_idx(original, backend, layer):
     """AROUND `FlashInferAttnBackend._get_wrapper_idx`: under staged metadata, a layer after
     the first drop runs its stage's wrapper."""
-    if getattr(backend.forward_metadata, "uniprefill", False):
+    if getattr(backend.forward_metadata, "uniprefill_stage_wrappers", False):
         runtime = get_runtime()
         stage = runtime.stages.stage(layer.layer_id) if runtime is not None else 0
         if stage:  # after upstream's wrappers, one per stage
@@ -630,7 +630,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         _decode_window_views(backend, runtime, fb, bs, raw_bs, window, outs=indices,
                              indptr_outs=indptr, pos_outs=pos)
     if in_capture:
-        backend.forward_metadata.uniprefill = True
+        backend.forward_metadata.uniprefill_stage_wrappers = True
         if window is not None:
             backend.forward_metadata.uniprefill_windows = _window_lists(
                 st.graph_qo_indptr[: bs + 1], indptr[:, : bs + 1], indices, pos, stages)

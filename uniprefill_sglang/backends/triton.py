@@ -176,7 +176,7 @@ _WINDOW_FIELDS = ("window_kv_indptr", "window_kv_indices", "num_kv_splits")
 def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_decode`: the layer's stage view, when one is set."""
     meta = backend.forward_metadata
-    views = getattr(meta, "uniprefill", None)
+    views = getattr(meta, "uniprefill_decode_views", None)
     runtime = get_runtime()
     windowed = sliding_window(layer) is not None
     view = (views.get((runtime.stages.stage(layer.layer_id), windowed))
@@ -216,7 +216,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     for s in stages_after_first(runtime):
         splits.append(torch.empty(bs, dtype=torch.int32, device=counts.device))
         backend.get_num_kv_splits(splits[-1], counts[s - 1])
-    backend.forward_metadata.uniprefill = _decode_views(
+    backend.forward_metadata.uniprefill_decode_views = _decode_views(
         splits, indptr, indices, runtime.stages.num_drops, window)
     return result
 
@@ -276,7 +276,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
             runtime.slots.pool_slots_after_first(backend.cuda_graph_kv_indices[:n]))
         st.graph_splits[:, :bs].copy_(backend.cuda_graph_num_kv_splits[:bs].expand(len(stages), -1))
     if in_capture:
-        backend.forward_metadata.uniprefill = _decode_views(
+        backend.forward_metadata.uniprefill_decode_views = _decode_views(
             [st.graph_splits[s - 1] for s in stages], st.graph_indptr[:, : bs + 1],
             st.graph_indices, len(stages), window)
     return result
