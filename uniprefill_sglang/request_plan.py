@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import List, Optional, Union
+from typing import TYPE_CHECKING, List, Optional, Union
 
 from uniprefill_sglang import versions
 from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig, per_drop
 from uniprefill_sglang.request_knobs import RequestKnobError, RequestKnobs, parse_request_knobs
+
+if TYPE_CHECKING:
+    from uniprefill_sglang.context import DropContext
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +92,13 @@ class BatchPlan:
 
 @dataclasses.dataclass
 class ForwardInputs:
-    """What the ForwardBatch hook attaches as `forward_batch.uniprefill_inputs`: the batch's req-pool
-    rows on the host (decode and every drop read them without a device sync) and, for an
-    extend, its plan."""
-    req_rows: List[int]
+    """What a ForwardBatch carries for UniPrefill, as `forward_batch.uniprefill_inputs`: the
+    batch's req-pool rows on the host (decode and every drop read them without a device sync)
+    and, for an extend, its plan (both set by the ForwardBatch hook), and the drop context of
+    the forward that runs it (runtime.begin_forward opens it, end_forward closes it)."""
+    req_rows: Optional[List[int]]
     plan: Optional[BatchPlan] = None
+    drop_context: Optional["DropContext"] = None
 
 
 def forward_plan(fb) -> Optional[BatchPlan]:

@@ -4,7 +4,9 @@
 (patches/model_runner.py), from the process's schedule (schedule.py). It holds what outlives a
 forward: which KV each slot holds per stage (kv_validity.py, stage_pools.py), the parked rows
 of chunked prefill (parking.py), the prefix checkpoint and reuse (prefix_reuse.py). Per forward
-it opens a `DropContext` (begin_forward), which each drop layer shrinks (drop.py), and closes it
+it opens a `DropContext` on the batch's side-car (begin_forward: `forward_batch.uniprefill_inputs`
+.drop_context, where the layer hooks and attention adapters read it from the batch they are
+given), which each drop layer shrinks (drop.py), and closes it
 (end_forward: per request, the KV each stage lacks, the host mirror decode plans with), or rolls
 back what a failed forward changed (abandon_forward).
 """
@@ -23,7 +25,7 @@ from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, S
 from uniprefill_sglang.parking import ParkingLot, rejoin_record, start_peak_measure
 from uniprefill_sglang.prefix_reuse import PrefixReuse
 from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
-from uniprefill_sglang.request_plan import forward_plan, is_prefill_mode
+from uniprefill_sglang.request_plan import ForwardInputs, forward_plan, is_prefill_mode
 from uniprefill_sglang.selection import SelectionRule
 from uniprefill_sglang.stage_pools import slot_bytes_per_layer, wire_stage_pools
 from uniprefill_sglang.state import plugin_state
@@ -162,7 +164,10 @@ class UniPrefillRuntime:
             if self.check_kv_lens and any(ctx.sparse):
                 self.stage_kv.check_decode(fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu,
                                            ctx.kv_gaps)
-        plugin_state().forward = ctx
+        inputs = getattr(fb, "uniprefill_inputs", None)
+        if inputs is None:  # a batch the ForwardBatch hook did not build (an idle one)
+            inputs = fb.uniprefill_inputs = ForwardInputs(req_rows=None)
+        inputs.drop_context = ctx
         return ctx
 
     def _note_refused_parking(self, ctx: DropContext) -> None:
@@ -174,8 +179,13 @@ class UniPrefillRuntime:
                 ctx.note(b, f"earlier chunks not parked ({why})" + (
                     ": drops among its final chunk's tokens only" if d.enabled else ""))
 
+    @staticmethod
+    def _close(ctx: DropContext) -> None:
+        """The batch no longer runs in this drop context."""
+        ctx.forward_batch.uniprefill_inputs.drop_context = None
+
     def end_forward(self, ctx: DropContext) -> None:
-        plugin_state().forward = None
+        self._close(ctx)
         for slots in ctx.parking.ghost_slots:  # computed past the first drop on a partial view
             self.slots.mark_dropped(slots, 0, release=False)  # parked: it rejoins later
         for rid in ctx.parking.finished:
@@ -201,7 +211,7 @@ class UniPrefillRuntime:
         `give_up_parking` (the dense run failed as well): the parked rows are dropped instead,
         leaving their requests' earlier chunks with stage-0 KV only; the caller fails those
         requests (`failed_requests`)."""
-        plugin_state().forward = None
+        self._close(ctx)
         rows = self.host_rows(ctx.forward_batch)
         for b, (row, shared) in ctx.moved_prefixes.items():  # back to the shared prefix
             self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared

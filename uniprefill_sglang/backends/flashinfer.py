@@ -72,7 +72,7 @@ from uniprefill_sglang.backends.common import (
     write_kv,
 )
 from uniprefill_sglang.backends.flashinfer_template import paged_template, use_paged_template
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
@@ -376,7 +376,7 @@ def _merge_state():
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `FlashInferAttnBackend.forward_extend`."""
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     if k is None or args or kwargs or not ADAPTER.supported(backend):
@@ -432,7 +432,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     """AROUND `FlashInferAttnBackend.init_forward_metadata`: per-stage decode wrappers for a
     decode batch holding a request with sparse KV."""
     result = original(backend, forward_batch, *args, **kwargs)
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
             or not decode_needs_views(ctx, runtime) or not ADAPTER.supported(backend)):
@@ -583,7 +583,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    ctx = current()
+    ctx = drop_context(forward_batch)
     raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
     rpi, seq_lens = fb.req_pool_indices[:bs], fb.seq_lens[:bs]
     n = seq_lens_sum(fb, bs)

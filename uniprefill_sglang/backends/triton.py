@@ -52,7 +52,7 @@ from uniprefill_sglang.backends.common import (
     window_extend_attention,
     write_kv,
 )
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.kv_validity import stage_views
 from uniprefill_sglang.runtime import get_runtime
 
@@ -137,7 +137,7 @@ def _extend_view(backend, runtime, ctx, stage: int):
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_extend`."""
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
@@ -201,7 +201,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     holding a request with sparse KV, and of every decode batch of a model with sliding-window
     layers (their window lists)."""
     result = original(backend, forward_batch, *args, **kwargs)
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     fb = forward_batch
     window = _model_window(backend)
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
@@ -256,7 +256,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     bs = fb.batch_size
     stages = stages_after_first(runtime)
     window = _model_window(backend)
-    ctx = current()
+    ctx = drop_context(forward_batch)
     if window is not None or (not in_capture and decode_has_sparse(ctx)):
         # A model with windows always builds its lists: upstream's window list is not the
         # model's (see the module's docstring).
