@@ -28,8 +28,8 @@ from uniprefill_sglang.device import to_device
 from uniprefill_sglang.errors import CheckFailed, UniPrefillError
 from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
-from uniprefill_sglang.selection import (DropCandidates, prefix_coverage, select_by_position,
-                                         select_survivors)
+from uniprefill_sglang.selection import (DropCandidates, Selection, prefix_coverage,
+                                         select_by_position, select_survivors)
 
 MAX_DROPPED_MASS_FLAG = "--uniprefill-max-dropped-mass"
 
@@ -70,22 +70,21 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         ctx.report.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
         ctx.rejoined_whole[b] = joined
     masses = [0.0] * len(ctx.lens)
+    dropped = None  # the step's own rows its selection let go
     if step.selecting:
-        _select(rt, ctx, layer, step, keep, total, stage, drop_index, masses)
+        selection = _select(rt, layer, step, stage)
+        _bound(rt, ctx, step, selection, keep, drop_index, masses)
+        dropped = ~keep[:total]
     ctx.report.dropped_mass.append(masses)
     for b, rows in step.parking:
         _park(rt, ctx, b, rows, q, keep, stage)
     ctx.report.kept.append(list(ctx.lens))
-    if step.joining.count:  # surviving rejoined rows get the later layers' KV in this forward
-        joined, joined_kept = torch.cat(step.joining.slots), keep[sum(rows_per_request):]
-        rt.slots.mark_written(joined[joined_kept])
-        # The others stay dropped at the first drop, and give back the later stages' slots
-        # they kept while parked.
-        rt.slots.mark_dropped(joined[~joined_kept], 0)
     if rt.check_kv_lens and int(keep.sum()) != sum(ctx.lens):  # shrink trusts the host count
         raise CheckFailed(f"drop at layer {layer.layer_id}: {int(keep.sum())} rows kept on the "
                           f"device, {sum(ctx.lens)} on the host")
+    slots = ctx.out_cache_loc
     ctx.shrink(keep, step.joining, rows_per_request, park_sink=rt.parking.append)
+    _mark(rt, step, keep[total:], slots, dropped, stage)
     if rt.report_kept_positions:
         ctx.report.kept_digest.append(ctx.position_digest())
     if rt.check_kv_lens:
@@ -196,9 +195,8 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     return step
 
 
-def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses) -> None:
-    """Select among the candidates, apply the first drop's mass bound, and fill `masses` (per
-    request, the mass let go) from the one host read of the drop: the kept counts."""
+def _select(rt, layer, step: _Step, stage) -> Selection:
+    """Which candidates survive: each request's top blocks, scored by its last queries."""
     reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
     cands = step.cands
     cands.key_slots = rt.slots.pool_slots(cands.key_slots, stage)
@@ -208,9 +206,16 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
         selection = select_survivors(
             cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
             reduce)
-    counts, mass = selection.counts, selection.dropped_mass
     if rt.check_tp:
-        rt.tp_agreement.verify(selection.keep_idx, counts)
+        rt.tp_agreement.verify(selection.keep_idx, selection.counts)
+    return selection
+
+
+def _bound(rt, ctx, step: _Step, selection: Selection, keep, drop_index, masses) -> None:
+    """Set the selection in `keep`, apply the first drop's mass bound, and fill `masses` (per
+    request, the mass let go) and the requests' surviving rows from the one host read of the
+    drop: the kept counts."""
+    counts, mass = selection.counts, selection.dropped_mass
     candidate_rows = torch.cat([rows for _, rows, _ in step.selecting])
     keep.index_copy_(0, candidate_rows, selection.keep_mask)
     decisions = ctx.plan.decisions
@@ -221,9 +226,6 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
     host = torch.cat([counts.to(torch.float64), mass]).tolist()
     num = len(step.selecting)
     host_counts, host_mass = host[:num], host[num:]
-    # Dropped rows keep KV for the layers up to this one only; rejoined rows that survive
-    # get the later layers' KV from the rest of this forward.
-    rt.slots.mark_dropped_where(ctx.out_cache_loc, ~keep[:total], stage)
     for (b, _, joined), count, m, bound in zip(step.selecting, host_counts, host_mass, bounds):
         if joined:
             ctx.report.kept[0][b] = joined + ctx.lens[b]
@@ -241,6 +243,19 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
             ctx.sparse[b] = True
         ctx.lens[b] = int(count)
         masses[b] = m
+
+
+def _mark(rt, step: _Step, joined_kept, slots, dropped, stage) -> None:
+    """The KV the shrink leaves behind: the step's dropped rows (`dropped` over their `slots`)
+    keep KV for the layers up to this one only; rejoined rows that survive (`joined_kept`) get
+    the later layers' KV from the rest of this forward, the others stay dropped at the first
+    drop and give back the later stages' slots they kept while parked."""
+    if dropped is not None:
+        rt.slots.mark_dropped_where(slots, dropped, stage)
+    if step.joining.count:
+        joined = torch.cat(step.joining.slots)
+        rt.slots.mark_written(joined[joined_kept])
+        rt.slots.mark_dropped(joined[~joined_kept], 0)
 
 
 def _hold_over_bound(ctx, step: _Step, keep, candidate_rows, counts, mass, bounds):
