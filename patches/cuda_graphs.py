@@ -101,7 +101,7 @@ def _decode_can_run_graph(original, runner, forward_batch, *args, **kwargs):
     padding = runner.max_bs * max(1, int(getattr(runner, "seq_len_fill_value", 1)))
     if decode_graph_fits(runtime, seq_lens_sum(forward_batch, forward_batch.batch_size), padding):
         return True
-    runtime.eager_decode_overflows += 1
+    runtime.stats.eager_decode_overflows += 1
     return False
 
 

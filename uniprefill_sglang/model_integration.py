@@ -272,7 +272,7 @@ def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
         n = hidden_states.shape[0]
         if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
             return original(hidden_states, *args, **kwargs)
-        runtime.pieced_mlp_calls += 1
+        runtime.stats.pieced_mlp_calls += 1
         return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
                           n, piece_rows)
 
@@ -313,7 +313,7 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
         if (ctx is None or not ctx.is_extend or not ctx.compacted or n <= runtime.piece_rows
                 or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
-        runtime.pieced_mixer_calls += 1
+        runtime.stats.pieced_mixer_calls += 1
         return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
                           n, runtime.piece_rows, ctx)
 

@@ -13,6 +13,7 @@ back what a failed forward changed (abandon_forward).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -48,6 +49,28 @@ def _kv_rows(pool, layer_id: int) -> int:
     return pool.get_key_buffer(layer_id).shape[0]
 
 
+@dataclasses.dataclass
+class RuntimeStats:
+    """What the forwards so far did, as the scheduler's internal state reports it
+    (patches/scheduler.py), each counter named as it is reported there."""
+    # Prefill forwards that carried decode rows.
+    mixed_forwards: int = 0
+    # MLP and linear-attention mixer calls run in pieces (model_integration.py).
+    pieced_mlp_calls: int = 0
+    pieced_mixer_calls: int = 0
+    # Prompt tokens that reached a drop with UniPrefill on, and how many were left after the
+    # last drop.
+    scored_tokens: int = 0
+    kept_tokens: int = 0
+    # Attention-view buffers an adapter made in a request's path after start-up made them.
+    views_allocated_late: int = 0
+    # Decode steps run eagerly because a batch's per-stage lists outgrew the decode graph's
+    # (patches/cuda_graphs.py).
+    eager_decode_overflows: int = 0
+    # The latest rejoin (parking.rejoin_record).
+    last_rejoin: Optional[dict] = None
+
+
 class UniPrefillRuntime:
     """UniPrefill in one model runner: the drop schedule, the per-stage KV bookkeeping and the
     parked rows of chunked prefill, and the steps of a forward."""
@@ -79,8 +102,6 @@ class UniPrefillRuntime:
         max_parked = config.max_parked_tokens
         self.parking = ParkingLot(req_to_token_pool.req_to_token.shape[1] if max_parked is None
                                   else max_parked)
-        self.pieced_mlp_calls = 0
-        self.pieced_mixer_calls = 0
         # rid -> why: requests UniPrefill could not answer from complete KV after a failure
         # (patches/scheduler.py finishes them with that error).
         self.failed_requests = {}
@@ -93,17 +114,10 @@ class UniPrefillRuntime:
             logger.info("UniPrefill: checkpoint for prefix re-selection, %.1f MiB",
                         self.checkpoint.bytes / 2**20)
         self.prefix_reuse = PrefixReuse(self, allocator, self.checkpoint)
-        # Observability: prefill forwards that carried decode rows; prompt tokens that reached
-        # a drop with UniPrefill on, and how many were left after the last drop.
-        self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
-        # Attention-view buffers an adapter made in a request's path after start-up made them.
-        self.views_allocated_late = 0
+        self.stats = RuntimeStats()
         # Entries of the decode graphs' per-stage index lists (backends/common.py
-        # `decode_graph_entries`; None: none captured), and decode steps run eagerly because a
-        # batch's lists held more.
+        # `decode_graph_entries`; None: none captured).
         self.decode_graph_entries = None
-        self.eager_decode_overflows = 0
-        self.last_rejoin = None  # the latest rejoin (parking.rejoin_record)
 
     @property
     def piece_rows(self) -> int:
@@ -139,7 +153,7 @@ class UniPrefillRuntime:
         ctx = DropContext(plan=plan, forward_batch=fb, is_extend=is_extend)
         if is_extend:
             if plan is not None and any(d.reason == "decode" for d in plan.decisions):
-                self.mixed_forwards += 1
+                self.stats.mixed_forwards += 1
             ctx.positions, ctx.out_cache_loc = fb.positions, fb.out_cache_loc
             ctx.lens = list(fb.extend_seq_lens_cpu)
             ctx.fixed_lens = self.prefix_lens(fb)
@@ -193,13 +207,13 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.plan is not None and len(ctx.report.kept) > 1:
             for b, d in enumerate(ctx.plan.decisions):  # requests through every drop
                 if d.enabled and b not in ctx.parking.parked_now:
-                    self.scored_tokens += ctx.report.kept[0][b]
-                    self.kept_tokens += ctx.report.kept[-1][b]
+                    self.stats.scored_tokens += ctx.report.kept[0][b]
+                    self.stats.kept_tokens += ctx.report.kept[-1][b]
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
         if ctx.parking.rejoins:
-            self.last_rejoin = rejoin_record(ctx, self.parking.cost, self.last_rejoin,
-                                             self.piece_rows)
+            self.stats.last_rejoin = rejoin_record(ctx, self.parking.cost,
+                                                   self.stats.last_rejoin, self.piece_rows)
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can

@@ -222,7 +222,7 @@ def _made_late(st) -> None:
     `views_allocated_late` in the scheduler's internal state)."""
     runtime = get_runtime()
     if st.prepared and runtime is not None:
-        runtime.views_allocated_late += 1
+        runtime.stats.views_allocated_late += 1
 
 
 # The "stage" of the wrappers that a layer run in pieces plans at each call (`_plan_piece_view`).
