@@ -5,10 +5,12 @@
   LogitsProcessorOutput of a replayed batch and drops its `customized_info`, where the logits
   hook (patches/logits.py) reports the per-request UniPrefill decisions
   (`meta_info["uniprefill"]`); carry it over.
-* `PrefillCudaGraphRunner.load_batch` and `decode_cuda_graph_runner.build_replay_fb_view`
-  (AFTER): a replay runs on copies of the live batch (the static batch the prefill graph's eager
-  attention and tail are given, the view a decode graph plans its attention metadata from); they
-  carry its UniPrefill inputs, drop context included (context.drop_context).
+* `EagerRunner.load_batch`, `PrefillCudaGraphRunner.load_batch` and
+  `decode_cuda_graph_runner.build_replay_fb_view` (AFTER): the runners run the model on copies
+  of the live batch (the eager runner's copy in its static buffers, the static batch the prefill
+  graph's eager attention and tail are given, the view a decode graph plans its attention
+  metadata from); they carry its UniPrefill inputs, drop context included
+  (context.drop_context).
 * `DecodeCudaGraphRunner.can_run_graph` (AROUND): the adapters' per-stage decode-graph index
   lists are sized to the KV pool, not to upstream's max batch x context length
   (backends/common.py `decode_graph_entries`); a decode batch whose sequences hold more entries
@@ -60,12 +62,14 @@ def _prefill_can_run_graph(original, runner, forward_batch, *args, **kwargs):
     return replay
 
 
-def _carry_inputs_to_static_batch(result, runner, forward_batch, *args, **kwargs):
-    """The static batch a prefill graph replays with (what its eager attention and tail are
-    given) carries the live batch's UniPrefill inputs, drop context included."""
-    from uniprefill_sglang.versions import replay_static_batch
+def _carry_inputs_to_loaded_batch(result, runner, forward_batch, *args, **kwargs):
+    """The batch a runner loads the live one into (the eager runner's copy in its static
+    buffers, which the model runs on; the static batch a prefill graph replays with, which its
+    eager attention and tail are given) carries the live batch's UniPrefill inputs, drop context
+    included."""
+    from uniprefill_sglang.versions import loaded_batch
 
-    _carry_inputs(forward_batch, replay_static_batch(result))
+    _carry_inputs(forward_batch, loaded_batch(result))
     return result
 
 
@@ -108,8 +112,11 @@ def _decode_can_run_graph(original, runner, forward_batch, *args, **kwargs):
 _RUNNER = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
 _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 _DECODE_RUNNER = f"{_DECODE}.DecodeCudaGraphRunner"
+_EAGER_RUNNER = "sglang.srt.model_executor.runner.eager_runner.EagerRunner"
 HOOKS = (
-    Hook(f"{_RUNNER}.load_batch", "after", _carry_inputs_to_static_batch,
+    Hook(f"{_EAGER_RUNNER}.load_batch", "after", _carry_inputs_to_loaded_batch,
+         "the copy of the batch the model runs on carries the live batch's drop context"),
+    Hook(f"{_RUNNER}.load_batch", "after", _carry_inputs_to_loaded_batch,
          "the static batch a prefill graph replays with carries the live batch's drop context"),
     Hook(f"{_DECODE}.build_replay_fb_view", "after", _carry_inputs_to_replay_view,
          "the view a decode graph's replay plans attention from carries the live batch's "

@@ -252,7 +252,8 @@ def gather_in_place(x: torch.Tensor, rows: torch.Tensor,
 
 def drop_context(forward_batch) -> Optional[DropContext]:
     """The drop context of the forward that runs `forward_batch`, from its side-car
-    (`forward_batch.uniprefill_inputs`); None between forwards or without UniPrefill. A CUDA
-    graph runner's copy of the batch carries the side-car too (patches/cuda_graphs.py)."""
+    (`forward_batch.uniprefill_inputs`); None between forwards or without UniPrefill. The copies
+    of the batch the model runner's runners run the model on carry the side-car too
+    (patches/cuda_graphs.py)."""
     inputs = getattr(forward_batch, "uniprefill_inputs", None)
     return inputs.drop_context if inputs is not None else None

@@ -37,7 +37,7 @@ One attribute per SGLang object kind, each with one meaning:
 |---|---|---|---|---|
 | `Req` | `uniprefill_knobs` | `request_knobs:RequestKnobs` or `request_knobs:RequestKnobError` | `request_plan:request_knobs` | `request_plan:decide` |
 | `ForwardBatch` | `uniprefill_inputs` | `request_plan:ForwardInputs` | `patches.forward_batch:_attach_plan`, `runtime:UniPrefillRuntime.begin_forward` | `request_plan:forward_plan`, `context:drop_context`, `runtime:UniPrefillRuntime.host_rows`, `patches.model_runner:_forward_with_context` |
-| a CUDA graph runner's copy of the batch | `uniprefill_inputs` | the live batch's `request_plan:ForwardInputs` | `patches.cuda_graphs:_carry_inputs` | `context:drop_context` |
+| a runner's copy of the batch (eager or CUDA graph) | `uniprefill_inputs` | the live batch's `request_plan:ForwardInputs` | `patches.cuda_graphs:_carry_inputs` | `context:drop_context` |
 | KV pool | `uniprefill_stage_buffers` | `stage_pools:StagedBuffers` | `patches.kv_pool:_create_stage_buffers` | `patches.kv_pool:_write_at_stage_slots`, `stage_pools:wire_stage_pools` |
 | KV allocator | `uniprefill_stage_pools` | `stage_pools:StagePools` | `stage_pools:wire_stage_pools` | `patches.kv_allocator:_pools` |
 | `Scheduler` | `uniprefill_admission` | `patches.kv_allocator:_Admission` | `patches.kv_allocator:_admission` | `patches.kv_allocator:_retry_after_drops`, `patches.kv_allocator:admission_retries` |

@@ -21,7 +21,7 @@ Everything else in the plugin asks this module instead of testing versions itsel
 | a tree that shares nothing | `is_chunk_cache()` | `not supports_prefix_sharing()` |
 | the decoder layer's residual | passed to the layer and to its norms | `forward_batch.residual_stream`; the norms still take it |
 | attention rows | as given | narrowed to the batch's token count (`padded_extend_real_tokens`) |
-| a prefill graph's `load_batch` | returns the static batch | returns (static batch, shared-read ends) |
+| `PrefillCudaGraphRunner.load_batch` | returns the static batch | returns (static batch, shared-read ends) |
 
 How each checked release is tested: 0.5.23, the release pip resolves for a user, by `bash .ci/run`
 (the README's demo command in a fresh environment, then the whole CPU suite); 0.5.17 by the last
@@ -168,9 +168,9 @@ def charge_prefill_budget(adder, tokens: int) -> None:
         adder.cur_rem_token_offset += tokens
 
 
-# ---- CUDA graph replay.
+# ---- The model runner's runners.
 
-def replay_static_batch(loaded) -> Any:
-    """The static batch `PrefillCudaGraphRunner.load_batch` returned (0.5.23 returns it with
-    the shared-read ends of its metadata)."""
+def loaded_batch(loaded) -> Any:
+    """The batch a runner's `load_batch` returned (0.5.23's `PrefillCudaGraphRunner` returns it
+    with the shared-read ends of its metadata)."""
     return loaded[0] if isinstance(loaded, tuple) else loaded
