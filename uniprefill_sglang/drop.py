@@ -10,23 +10,24 @@
     shrink        the drop context to the survivors (the layer hooks gather the hidden states)
     mark          the dropped tokens' KV as held up to this layer only (kv_validity.SlotStages)
 
-At the first drop a non-final chunk of a chunked prompt parks instead (parking.py): its rows
-stop here and rejoin at the final chunk, which alone holds the prompt's true last queries. A
-dense request whose earlier rows rejoin keeps every row.
+At the first drop a non-final chunk of a chunked prompt parks instead (parking.py's steps
+`parks_here`, `park_chunk`): its rows stop here and rejoin at the final chunk, which alone holds
+the prompt's true last queries (`rejoining_rows`). A dense request whose earlier rows rejoin
+keeps every row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 
 from uniprefill_sglang.context import DropContext
 from uniprefill_sglang.device import to_device
 from uniprefill_sglang.errors import CheckFailed, UniPrefillError
-from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
+from uniprefill_sglang.parking import JoiningRows, park_chunk, parks_here, rejoining_rows
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
 from uniprefill_sglang.selection import (DropCandidates, Selection, prefix_coverage,
                                          select_by_position, select_survivors)
@@ -77,7 +78,7 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         dropped = ~keep[:total]
     ctx.report.dropped_mass.append(masses)
     for b, rows in step.parking:
-        _park(rt, ctx, b, rows, q, keep, stage)
+        park_chunk(rt, ctx, b, rows, q, keep, stage)
     ctx.report.kept.append(list(ctx.lens))
     if rt.check_kv_lens and int(keep.sum()) != sum(ctx.lens):  # shrink trusts the host count
         raise CheckFailed(f"drop at layer {layer.layer_id}: {int(keep.sum())} rows kept on the "
@@ -100,28 +101,6 @@ def _raise_test_fault(rt, ctx, drop_index) -> None:
                               f"{rt.test_fault})")
 
 
-def rejoining_rows(rt, ctx: DropContext, layer, q) -> Dict[int, ParkedRows]:
-    """At the first drop: per request, the rows that rejoin it here, from both providers: a
-    cached prefix it selects over anew (prefix_reuse.py) and, for a chunk that does not park,
-    the parked rows of its earlier chunks (parking.py), in position order."""
-    prefixes = rt.prefix_reuse.rejoining_prefixes(ctx, layer, q)
-    chunks = rt.parking.rejoining_chunks(ctx)
-    out = {}
-    for b in sorted(set(prefixes) | set(chunks)):
-        out[b] = merge_parked(prefixes[b], chunks.get(b)) if b in prefixes else chunks[b]
-    return out
-
-
-def rejoin_bound(config, d, tokens: int) -> Optional[int]:
-    """At most how many of `tokens` parked rows rejoin at the final chunk's first drop: a fixed
-    keep ratio's whole blocks, sinks and last queries; None (all of them) under top-p, or where
-    a dropped-mass bound may keep every row."""
-    ratio = d.ratio_at(0)
-    if not ratio or d.max_dropped_mass is not None:
-        return None
-    return math.ceil(ratio * tokens) + config.block_size + config.sink_tokens + config.last_queries
-
-
 def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     """Per request: park it, skip it, keep it whole, or gather its queries and keys."""
     first_drop = drop_index == 0
@@ -139,13 +118,9 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
             continue
         n = ctx.lens[b]
         own = torch.arange(start, start + n, device=device)
-        if first_drop and d.park and n > 0 and rt.parking.reserve(
-                d.rid, d.prompt_len, ctx.fixed_lens[b],
-                rejoin_bound(rt.config, d, d.prompt_len - ctx.fixed_lens[b])):
+        if first_drop and d.park and parks_here(rt, ctx, b, n):
             step.parking.append((b, own))
             continue
-        if first_drop and d.park and d.rid in rt.parking.refused:
-            ctx.note(b, f"non-final chunk, not parked ({rt.parking.refused[d.rid]}): runs dense")
         joined_rows = joins.get(b)
         if joined_rows is None and d.enabled and n < rt.config.min_tokens_to_drop:
             ctx.note(b, "too few new tokens to score")
@@ -271,21 +246,6 @@ def _hold_over_bound(ctx, step: _Step, keep, candidate_rows, counts, mass, bound
     keep.index_copy_(0, candidate_rows,
                      keep.index_select(0, candidate_rows) | over.index_select(0, segment))
     return torch.where(over, sizes.to(counts.dtype), counts)
-
-
-def _park(rt, ctx, b, rows, q, keep, stage) -> None:
-    """All rows of a non-final chunk stop here and wait for the final chunk; the last one goes
-    on alone so the forward still yields the logits SGLang expects (discarded)."""
-    rid = ctx.plan.decisions[b].rid
-    last = rows[-rt.config.last_queries:]
-    ctx.parking.to_park.append((rid, rows))
-    ctx.parking.parked_now.append(b)
-    keep.index_fill_(0, rows[:-1], False)
-    rt.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
-    ctx.parking.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
-    rt.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
-    ctx.sparse[b] = True
-    ctx.lens[b] = 1
 
 
 def _check_extend_lens(rt, ctx: DropContext, stage: int) -> None:
