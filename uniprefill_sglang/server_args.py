@@ -118,7 +118,7 @@ class UniPrefillServerArgs(ServerArgs):
     ] = None
     uniprefill_profile: A[
         Optional[str],
-        Arg(help="UniPrefill: a profile JSON written by `python -m uniprefill_sglang.calibrate`; "
+        Arg(help="UniPrefill: a profile JSON written by `python -m uniprefill_sglang.tools.calibrate`; "
                  "it sets the drop layers, top-p and block size that no flag sets. Unset: the "
                  "profile shipped for the model's architecture, depth and hidden size, if any; "
                  "'none': no profile."),
