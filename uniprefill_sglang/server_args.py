@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 # The cost rule's default on a GPU: below this many new tokens a prefill step's drop does not
-# pay for itself (benchmarks/README.md, "The defaults").
+# pay for itself (benchmarks/results/defaults/README.md, "The defaults").
 GPU_MIN_STEP_TOKENS = 3072
 
 # Block-scaled KV caches (packed FP4 or MX values with separate scales).
