@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from uniprefill_sglang.calibrate import DensePass, needle_token_spans
+    from uniprefill_sglang.tools.calibrate import DensePass, needle_token_spans
     from uniprefill_sglang.tools.model_zoo import MODELS, prepare_model
     from uniprefill_sglang.tools.tasks import TUNING_SEEDS, make_case
 

@@ -20,6 +20,7 @@ from uniprefill_sglang.patches import (
     attention_backends,
     cuda_graphs,
     forward_batch,
+    fused_kv_write,
     kv_allocator,
     kv_pool,
     logits,
@@ -34,7 +35,8 @@ from uniprefill_sglang.patches import (
 from uniprefill_sglang.patches.hook_table import Hook
 
 _MODULES = (server_args, sampling_params, forward_batch, model_runner, logits, scheduler,
-            radix_cache, radix_attention, cuda_graphs, metrics, kv_pool, kv_allocator)
+            radix_cache, radix_attention, cuda_graphs, metrics, kv_pool, kv_allocator,
+            fused_kv_write)
 
 
 # Test only (UNIPREFILL_TEST_FAULT=hook): a target no SGLang has, to check the start-up refusal.

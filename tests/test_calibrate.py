@@ -1,4 +1,4 @@
-"""`python -m uniprefill_sglang.calibrate`: the offline estimate, the FLOP model, profile loading
+"""`python -m uniprefill_sglang.tools.calibrate`: the offline estimate, the FLOP model, profile loading
 and precedence (fast), and one end-to-end run on a tiny slice whose profile an engine then
 starts with (`engine`)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from uniprefill_sglang import calibrate as cal
+from uniprefill_sglang.tools import calibrate as cal
 from uniprefill_sglang.config import (
     DEFAULT_BLOCK_SIZE,
     SHIPPED_PROFILE_DIR,
@@ -433,7 +433,7 @@ def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path
     assert not set(data["cases"]["calibration"]["names"]) & set(data["cases"]["heldout"]["names"])
     for split in ("calibration", "heldout"):
         assert data["agreement"][split]["cases"] == 2
-    assert data["command"].startswith("python -m uniprefill_sglang.calibrate")
+    assert data["command"].startswith("python -m uniprefill_sglang.tools.calibrate")
     assert out.with_suffix(".png").stat().st_size > 0
     assert out.with_suffix(".frontier.png").stat().st_size > 0
     front = data["frontier"]["pareto_front"]

@@ -45,8 +45,8 @@ def runs(gemma_path):
     from uniprefill_sglang.tools.tasks import make_case
 
     tok = AutoTokenizer.from_pretrained(gemma_path)
-    # The 2K slice of the evaluation suite's grid (benchmarks/README.md, Gemma-3-270M) whose
-    # cases dense answers.
+    # The 2K slice of the evaluation suite's grid (benchmarks/results/fidelity/README.md,
+    # Gemma-3-270M) whose cases dense answers.
     cases = [make_case(tok, task, 2048, 0.5, seed=0) for task in ("niah_number", "niah_multikey")]
     # The staged layout (under top-p the default is shared) holds the sliding-window layers'
     # KV in the stage pools; the checkpoint lets the cached prompt asked again re-select.

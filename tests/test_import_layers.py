@@ -4,7 +4,9 @@ Layers, top to bottom (module names as installed, pyproject.toml's package-dir):
 
 * `uniprefill_sglang.patches` (the folder patches/), with `uniprefill_sglang.plugin`, the entry
   point SGLang's plugin loader calls, which registers the patches: the hooks into SGLang;
-* the package: every other module of `uniprefill_sglang`;
+* the package: every other module of `uniprefill_sglang`; within it, the offline tooling
+  (`uniprefill_sglang.tools`) sits above the serving core: the core, the patches and the kernels
+  import none of it;
 * `uniprefill_sglang.kernels` (the folder kernels/): torch and Triton only, no SGLang; its
   switches come in as arguments.
 
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "uniprefill_sglang"
 KERNELS = f"{PACKAGE}.kernels"
 PATCHES = f"{PACKAGE}.patches"
+TOOLS = f"{PACKAGE}.tools"
 # Installed package -> source folder (pyproject.toml's package-dir).
 SOURCES = {PACKAGE: "uniprefill_sglang", KERNELS: "kernels", PATCHES: "patches"}
 ENTRY_POINTS = (f"{PACKAGE}.plugin",)
@@ -172,9 +175,14 @@ def layer(module: str) -> int:
     return 1
 
 
+def is_tooling(module: str) -> bool:
+    return module == TOOLS or module.startswith(TOOLS + ".")
+
+
 def problems(root: Path) -> List[str]:
     """Every cycle (its modules and the imports among them), every import that points up a
-    layer, and every SGLang import of a kernel module."""
+    layer, every import of the tooling from outside it, and every SGLang import of a kernel
+    module."""
     graph, external = import_graph(root)
     found = []
     for component in cycles(graph):
@@ -186,6 +194,8 @@ def problems(root: Path) -> List[str]:
             if layer(b) > layer(a):
                 found.append(f"{a} ({names[layer(a)]}) imports {b} ({names[layer(b)]}) "
                              f"at line {', '.join(map(str, lines))}")
+            elif is_tooling(b) and not is_tooling(a):
+                found.append(f"{a} imports the tooling {b} at line {', '.join(map(str, lines))}")
         if layer(a) == 0:
             found += [f"{a} imports SGLang ({name}) at line {line}" for name, line in external[a]
                       if name.split(".")[0] in SGLANG]
@@ -220,6 +230,8 @@ SOUND = {
     "patches/__init__.py": "from uniprefill_sglang.patches import model_runner\n",
     "patches/model_runner.py": "def hook():\n    from uniprefill_sglang import high\n",
     "uniprefill_sglang/plugin.py": "def load():\n    from uniprefill_sglang.patches import x\n",
+    "uniprefill_sglang/tools/__init__.py": "",
+    "uniprefill_sglang/tools/demo.py": "from uniprefill_sglang import high\n",
 }
 
 
@@ -250,6 +262,9 @@ def test_the_checker_passes_a_sound_tree(tmp_path):
     # only the entry point among the package's modules may import the patches
     ({"uniprefill_sglang/errors.py": "import uniprefill_sglang.patches.model_runner\n"},
      "uniprefill_sglang.errors (package) imports uniprefill_sglang.patches (patches)"),
+    # the serving core imports no tooling
+    ({"uniprefill_sglang/errors.py": "def f():\n    from uniprefill_sglang.tools import demo\n"},
+     "uniprefill_sglang.errors imports the tooling uniprefill_sglang.tools.demo at line 2"),
     ({"kernels/helper.py": "from uniprefill_sglang import errors\n"},
      "uniprefill_sglang.kernels.helper (kernels) imports uniprefill_sglang.errors (package)"),
     ({"kernels/helper.py": "def f():\n    import sglang.srt.utils\n"},

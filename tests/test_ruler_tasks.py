@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from uniprefill_sglang import calibrate as cal
+from uniprefill_sglang.tools import calibrate as cal
 from uniprefill_sglang.tools import aggregation_tasks as agg
 from uniprefill_sglang.tools import haystacks, scoring
 from uniprefill_sglang.tools.shared_context_tasks import (SHARED_MODES, make_shared_case,

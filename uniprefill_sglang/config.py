@@ -46,7 +46,7 @@ KV_LAYOUTS = ("staged", "shared")
 DEFAULT_KV_LAYOUT = None
 
 
-# Profiles written by `python -m uniprefill_sglang.calibrate` for the models we calibrated.
+# Profiles written by `python -m uniprefill_sglang.tools.calibrate` for the models we calibrated.
 SHIPPED_PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
@@ -80,7 +80,7 @@ class Profile:
 
 @functools.lru_cache(maxsize=16)
 def load_profile(path: str) -> Profile:
-    """Read a profile JSON (see uniprefill_sglang/calibrate.py). Raises UniPrefillConfigError."""
+    """Read a profile JSON (see uniprefill_sglang/tools/calibrate.py). Raises UniPrefillConfigError."""
     try:
         data = json.loads(Path(path).read_text())
         schedule, model = data["schedule"], data.get("model", {})

@@ -145,20 +145,21 @@ class RejoinCost:
     8,192 rows (2026-12-04) 65,792 rejoining rows took 3.98 GB above the step's start at their
     peak, 60.4 KB a row, against 61.6 KB counted by the mixer's count, which this one keeps
     (that step's attention was not yet in pieces; the mixer's count covered it). With attention
-    in pieces, on one H100 (Llama-3.1-8B shape, 2026-12-06, benchmarks/results/defaults/
-    defaults_uniprefill_h100.json) 131,000-token prompts rejoined 65,664 rows (keep 0.5,0.8) and
-    78,720 rows (top-p 0.6) at a peak of 4.36 GB above the step's start against 2.45 and 2.88 GB
-    counted: this count runs 1.5-1.8x under the peak, beyond `HEADROOM` (the uncounted MLP
-    piece and the parked chunks' concatenation are the likely rest; not yet resolved). A rejoin of a few hundred rows measures above its
-    count (LFM2's GPU test: 592 rows, 6.6 KB a row against 4.1 counted), where memory never
-    bounds it."""
+    in pieces and the rows gathered from their sources without a concatenation (context.py), on
+    one H200 (Llama-3.1-8B shape, 2026-12-06, benchmarks/results/defaults/
+    defaults_fa3_adapter_*_h200.json) 131,000-token prompts rejoined 129,792 rows (the defaults),
+    78,720 (top-p 0.6) and 65,664 (keep 0.5,0.8) at peaks of 5.10, 3.43 and 2.99 GB above the
+    step's start against 4.56, 2.88 and 2.45 GB counted: the same 0.54 GB above the count in
+    each whatever the rows (about one MLP piece of 8,192 rows, not counted), inside `HEADROOM`.
+    Before the gather read its sources in place (a concatenation of every parked row), the last
+    two peaked at 4.36 GB on an H100. A rejoin of a few hundred rows measures above its count
+    (LFM2's GPU test: 592 rows, 6.6 KB a row against 4.1 counted), where memory never bounds it."""
     parked_row_bytes: int
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
     piece_row_bytes: int = 0
     # What a rejoin must leave free beyond its count, as a fraction of it: the count is of
-    # allocations at the peak, not of the allocator's blocks around them, nor of an MLP's piece,
-    # and parked chunks are concatenated once as they rejoin.
+    # allocations at the peak, not of the allocator's blocks around them, nor of an MLP's piece.
     HEADROOM = 0.25
 
     @classmethod

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 # The cost rule's default on a GPU: below this many new tokens a prefill step's drop does not
-# pay for itself (benchmarks/README.md, "The defaults").
+# pay for itself (benchmarks/results/defaults/README.md, "The defaults").
 GPU_MIN_STEP_TOKENS = 3072
 
 # Block-scaled KV caches (packed FP4 or MX values with separate scales).
@@ -118,7 +118,7 @@ class UniPrefillServerArgs(ServerArgs):
     ] = None
     uniprefill_profile: A[
         Optional[str],
-        Arg(help="UniPrefill: a profile JSON written by `python -m uniprefill_sglang.calibrate`; "
+        Arg(help="UniPrefill: a profile JSON written by `python -m uniprefill_sglang.tools.calibrate`; "
                  "it sets the drop layers, top-p and block size that no flag sets. Unset: the "
                  "profile shipped for the model's architecture, depth and hidden size, if any; "
                  "'none': no profile."),

@@ -109,7 +109,8 @@ def test_linear_mixers_rejoin_in_pieces(results, pair):
     assert chunked["pieced_mixer_calls"] > 0, chunked
     assert whole["pieced_mixer_calls"] == 0, whole
     # Each rejoin measured its device-memory peak (parking.RejoinCost's count is checked
-    # against such peaks at scale, benchmarks/README.md; a few hundred rows here are dominated
-    # by one piece's activations, which the per-row count leaves to SGLang's own reserve).
+    # against such peaks at scale, benchmarks/results/qwen3_next/README.md; a few hundred rows
+    # here are dominated by one piece's activations, which the per-row count leaves to
+    # SGLang's own reserve).
     rejoin = chunked["last_rejoin"]
     assert rejoin and rejoin["rows"] > 0 and rejoin["peak_bytes"] > 0, rejoin

@@ -1,6 +1,6 @@
-"""Find a drop schedule that keeps a model's answers: ``python -m uniprefill_sglang.calibrate``.
+"""Find a drop schedule that keeps a model's answers: ``python -m uniprefill_sglang.tools.calibrate``.
 
-    python -m uniprefill_sglang.calibrate --model smollm2 --lengths 2048,4096,8192 \\
+    python -m uniprefill_sglang.tools.calibrate --model smollm2 --lengths 2048,4096,8192 \\
         --target-agreement 0.98 --out smollm2.json
 
 Two steps, so that the search stays cheap:
@@ -685,7 +685,7 @@ def _floats(text: str) -> list[float]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m uniprefill_sglang.calibrate",
+    ap = argparse.ArgumentParser(prog="python -m uniprefill_sglang.tools.calibrate",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True,
                     help="a Hugging Face model folder, or smollm2 (converted once by model_zoo)")
@@ -836,7 +836,7 @@ def prepare_run(args, argv: list[str], started: datetime.datetime) -> Setup:
                      "uniprefill_last_queries": args.last_queries,
                      "uniprefill_sink_tokens": args.sink_tokens,
                      **json.loads(args.engine_kwargs)}
-    setup = Setup(args=args, command="python -m uniprefill_sglang.calibrate " + " ".join(argv),
+    setup = Setup(args=args, command="python -m uniprefill_sglang.tools.calibrate " + " ".join(argv),
                   started=started, model_path=model_path, shape=shape,
                   tokenizer=AutoTokenizer.from_pretrained(model_path),
                   engine_kwargs=engine_kwargs, tasks=_names(args.tasks), lengths=lengths,
