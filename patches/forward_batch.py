@@ -21,7 +21,7 @@ def _attach_plan(forward_batch, cls, batch, *args, **kwargs):
     if is_prefill_mode(batch.forward_mode):
         inputs.plan = plan_batch(batch, runtime.config, runtime.no_schedule_reason,
                                  hooked_tree_classes())
-    forward_batch.uniprefill = inputs
+    forward_batch.uniprefill_inputs = inputs
     return forward_batch
 
 

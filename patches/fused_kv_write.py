@@ -17,9 +17,9 @@ MODEL_MODULES = ("sglang.srt.models.qwen3_moe",)
 
 
 def _not_after_a_drop(original, forward_batch, *args, **kwargs):
-    from uniprefill_sglang.context import current
+    from uniprefill_sglang.context import drop_context
 
-    ctx = current()
+    ctx = drop_context(forward_batch)
     if ctx is not None and ctx.compacted:
         return False
     return original(forward_batch, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Hooks that keep the staged KV layout's stage pools (uniprefill_sglang/stage_pools.py) in step
 with SGLang's allocator and scheduler. Each is inert unless the allocator carries stage pools
-(`allocator.uniprefill`, set when the runtime is built on a staged pool).
+(`allocator.uniprefill_stage_pools`, set when the runtime is built on a staged pool).
 
 * `sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc` (AROUND): full slots are
   handed out only when every stage pool can give each of them a slot too (a new token may
@@ -34,7 +34,7 @@ _ALLOCATOR = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
 
 
 def _pools(allocator):
-    return getattr(allocator, "uniprefill", None)
+    return getattr(allocator, "uniprefill_stage_pools", None)
 
 
 def _alloc(original, allocator, need_size, *args, **kwargs):
@@ -149,7 +149,7 @@ def _retry_after_drops(scheduler, running_batch, available: int) -> None:
 
 
 class _Admission:
-    """The scheduler's `uniprefill` attribute: the stage pools' room once the last admitted
+    """The scheduler's `uniprefill_admission`: the stage pools' room once the last admitted
     batch had its slots, and how often admission was retried since drops gave memory back."""
 
     def __init__(self):
@@ -158,9 +158,9 @@ class _Admission:
 
 
 def _admission(scheduler) -> _Admission:
-    if getattr(scheduler, "uniprefill", None) is None:
-        scheduler.uniprefill = _Admission()
-    return scheduler.uniprefill
+    if getattr(scheduler, "uniprefill_admission", None) is None:
+        scheduler.uniprefill_admission = _Admission()
+    return scheduler.uniprefill_admission
 
 
 def admission_retries(scheduler) -> int:

@@ -82,12 +82,12 @@ def _create_stage_buffers(original, pool, *args, **kwargs):
                                      device=pool.device) for n in rows]
         pool.v_buffer = [torch.zeros((n, pool.head_num, pool.v_head_dim), dtype=pool.store_dtype,
                                      device=pool.device) for n in rows]
-    pool.uniprefill = StagedBuffers(layout, sizes[1:],
+    pool.uniprefill_stage_buffers = StagedBuffers(layout, sizes[1:],
                                     [layout.stage_of_layer(l) for l in range(pool.layer_num)])
 
 
 def _write_at_stage_slots(original, pool, layer, loc_info, *args, **kwargs):
-    staged = getattr(pool, "uniprefill", None)
+    staged = getattr(pool, "uniprefill_stage_buffers", None)
     maps = staged.maps if staged is not None else None
     if maps is not None and layer is not None:
         layer_id = kwargs.get("layer_id_override")

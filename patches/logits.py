@@ -20,10 +20,10 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
     from sglang.srt.layers.logits_processor import LogitsMetadata
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from uniprefill_sglang.context import current
+    from uniprefill_sglang.context import drop_context
     from uniprefill_sglang.device import to_device
 
-    ctx = current()
+    ctx = drop_context(logits_metadata)  # the model passes its ForwardBatch
     if ctx is None or not ctx.is_extend or ctx.plan is None:
         return original(processor, input_ids, hidden_states, lm_head, logits_metadata,
                         *args, **kwargs)

@@ -192,7 +192,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
         return _run_once(runtime, forward_batch, run)
     # Dense from the prompt's first token: parked rows of earlier chunks and cached prefixes
     # that lack tokens rejoin whole, so no later layer misses a token.
-    forward_batch.uniprefill.plan = plan.all_dense(
+    forward_batch.uniprefill_inputs.plan = plan.all_dense(
         f"UniPrefill error, re-prefilled dense: {why}", restore=True)
     result, failure = _attempt(runtime, forward_batch, run)
     if failure is None:
@@ -204,7 +204,7 @@ def _forward_with_context(original, model_runner, forward_batch, *args, **kwargs
     runtime.abandon_forward(failure[1], give_up_parking=True)
     del failure
     _release_failed_forward()
-    forward_batch.uniprefill.plan = plan.all_dense(f"UniPrefill error, ran dense: {why}")
+    forward_batch.uniprefill_inputs.plan = plan.all_dense(f"UniPrefill error, ran dense: {why}")
     return _run_once(runtime, forward_batch, run)
 
 

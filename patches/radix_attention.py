@@ -11,9 +11,9 @@ from uniprefill_sglang.patches.hook_table import Hook
 
 
 def _no_padding_after_a_drop(original, q, forward_batch, *args, **kwargs):
-    from uniprefill_sglang.context import current
+    from uniprefill_sglang.context import drop_context
 
-    ctx = current()
+    ctx = drop_context(forward_batch)
     if ctx is not None and ctx.compacted:
         return None
     return original(q, forward_batch, *args, **kwargs)

@@ -38,16 +38,16 @@ _UNIFIED = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
 def _record_insert(result, cache, *args, **kwargs):
-    # The cache's `uniprefill` attribute: how much of the last inserted key it already held.
-    cache.uniprefill = getattr(result, "prefix_len", None)
+    # How much of the last inserted key the tree already held.
+    cache.uniprefill_matched_prefix_len = getattr(result, "prefix_len", None)
     return result
 
 
 def _record_first_insert(result, cache, *args, **kwargs):
     # A 0.5.23 checkpoint may insert twice (the whole key, then the prompt's own leaf): the
     # first says how much of the key the tree held.
-    if getattr(cache, "uniprefill", None) is None:
-        cache.uniprefill = getattr(result, "prefix_len", None)
+    if getattr(cache, "uniprefill_matched_prefix_len", None) is None:
+        cache.uniprefill_matched_prefix_len = getattr(result, "prefix_len", None)
     return result
 
 
@@ -84,9 +84,9 @@ def _insert_marking_shared(runtime, insert, cache, req, *args, **kwargs):
     from uniprefill_sglang.versions import cache_protected_len, req_pool_idx
 
     protected = cache_protected_len(req)
-    cache.uniprefill = None
+    cache.uniprefill_matched_prefix_len = None
     result = insert(cache, req, *args, **kwargs)
-    shared = cache.uniprefill
+    shared = cache.uniprefill_matched_prefix_len
     if shared is None or shared > protected:
         runtime.kv_gaps.invalidate(req_pool_idx(req))
     return result

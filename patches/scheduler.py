@@ -24,6 +24,8 @@
   leak that is not one.
 """
 
+import dataclasses
+
 from uniprefill_sglang.patches.hook_table import Hook
 
 
@@ -50,18 +52,11 @@ def _add_pool_state(result, scheduler, *args, **kwargs):
         # Device memory one rejoining row takes (parking.RejoinCost; None: parking unbounded).
         "rejoin_row_bytes": (runtime.parking.cost.rejoin_row_bytes
                              if runtime.parking.cost is not None else None),
-        "mixed_forwards": runtime.mixed_forwards,
-        "pieced_mlp_calls": runtime.pieced_mlp_calls,
-        "pieced_mixer_calls": runtime.pieced_mixer_calls,
-        "last_rejoin": runtime.last_rejoin,
-        "scored_tokens": runtime.scored_tokens,
-        "kept_tokens": runtime.kept_tokens,
+        **dataclasses.asdict(runtime.stats),
         "private_prefix_slots": runtime.prefix_reuse.private.held,
         "kv_layout": "staged" if runtime.slots.staged else "shared",
         "kv_pools": runtime.kv_pool_report(scheduler.token_to_kv_pool_allocator),
         "admission_retries": admission_retries(scheduler),
-        "views_allocated_late": runtime.views_allocated_late,
-        "eager_decode_overflows": runtime.eager_decode_overflows,
         "device_alloc_retries": _allocator_count("num_alloc_retries"),
         "device_allocs": _allocator_count("num_device_alloc"),
     }

@@ -3,13 +3,14 @@ forward's rows, as the model sees the switch, and hooked in every supported mode
 
 import importlib
 import pkgutil
+from types import SimpleNamespace
 
 import pytest
 
 from uniprefill_sglang.architectures import SUPPORTED_NAMES
 from uniprefill_sglang.context import DropContext
 from uniprefill_sglang.patches import fused_kv_write
-from uniprefill_sglang.state import plugin_state
+from uniprefill_sglang.request_plan import ForwardInputs
 
 
 def _sglang_model_modules():
@@ -44,13 +45,11 @@ def test_the_switch_is_off_only_after_a_drop(compacted):
         calls.append(forward_batch)
         return True
 
-    state = plugin_state()
-    ctx = DropContext(plan=None, forward_batch=object(), is_extend=True)
+    batch = SimpleNamespace(uniprefill_inputs=ForwardInputs(req_rows=None))
+    ctx = DropContext(plan=None, forward_batch=batch, is_extend=True)
     ctx.compacted = compacted
-    state.forward = ctx
-    try:
-        assert fused_kv_write._not_after_a_drop(original, "batch") is (not compacted)
-        assert calls == ([] if compacted else ["batch"])
-    finally:
-        state.forward = None
-    assert fused_kv_write._not_after_a_drop(original, "batch") is True  # between forwards
+    batch.uniprefill_inputs.drop_context = ctx
+    assert fused_kv_write._not_after_a_drop(original, batch) is (not compacted)
+    assert calls == ([] if compacted else [batch])
+    batch.uniprefill_inputs.drop_context = None
+    assert fused_kv_write._not_after_a_drop(original, batch) is True  # between forwards

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from uniprefill_sglang.drop import rejoin_bound
+from uniprefill_sglang.parking import rejoin_bound
 from uniprefill_sglang.parking import ParkingLot, RejoinCost
 
 GiB = 2**30

@@ -146,3 +146,24 @@ def test_flags_and_knobs_accept_the_same_per_drop_forms(value):
         assert knob == ("RequestKnobError", flag[1])
     else:
         assert flag == knob and all(0 < f <= 1 for f in flag)
+
+
+class _Req:
+    def __init__(self, custom_params):
+        self.sampling_params = type("SP", (), {"custom_params": custom_params})()
+        self.rid = "r"
+
+
+def test_the_scheduler_parses_a_requests_knobs_once():
+    """Every plan of a request (each chunk, each step) reads the knobs its first plan parsed,
+    kept on the Req; a bad knob is kept as its error and runs the request dense."""
+    from uniprefill_sglang.request_plan import decide
+
+    req = _Req({"uniprefill_top_p": 0.9})
+    assert decide(req, 4096, TOP_P_SERVER, None, None).top_p == (0.9,)
+    assert req.uniprefill_knobs == RequestKnobs(True, (0.9,), ())
+    req.sampling_params.custom_params = {"uniprefill_top_p": 0.5}  # not read again
+    assert decide(req, 4096, TOP_P_SERVER, None, None).top_p == (0.9,)
+    bad = _Req({"uniprefill_top_p": 2})
+    assert "uniprefill_top_p" in decide(bad, 4096, TOP_P_SERVER, None, None).reason
+    assert isinstance(bad.uniprefill_knobs, RequestKnobError)

@@ -250,8 +250,10 @@ def gather_in_place(x: torch.Tensor, rows: torch.Tensor,
     return x[:k]
 
 
-def current() -> Optional[DropContext]:
-    """The drop context of the forward now running in this process (None between forwards)."""
-    from uniprefill_sglang.state import plugin_state
-
-    return plugin_state().forward
+def drop_context(forward_batch) -> Optional[DropContext]:
+    """The drop context of the forward that runs `forward_batch`, from its side-car
+    (`forward_batch.uniprefill_inputs`); None between forwards or without UniPrefill. The copies
+    of the batch the model runner's runners run the model on carry the side-car too
+    (patches/cuda_graphs.py)."""
+    inputs = getattr(forward_batch, "uniprefill_inputs", None)
+    return inputs.drop_context if inputs is not None else None

@@ -10,26 +10,27 @@
     shrink        the drop context to the survivors (the layer hooks gather the hidden states)
     mark          the dropped tokens' KV as held up to this layer only (kv_validity.SlotStages)
 
-At the first drop a non-final chunk of a chunked prompt parks instead (parking.py): its rows
-stop here and rejoin at the final chunk, which alone holds the prompt's true last queries. A
-dense request whose earlier rows rejoin keeps every row.
+At the first drop a non-final chunk of a chunked prompt parks instead (parking.py's steps
+`parks_here`, `park_chunk`): its rows stop here and rejoin at the final chunk, which alone holds
+the prompt's true last queries (`rejoining_rows`). A dense request whose earlier rows rejoin
+keeps every row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 
 from uniprefill_sglang.context import DropContext
 from uniprefill_sglang.device import to_device
 from uniprefill_sglang.errors import CheckFailed, UniPrefillError
-from uniprefill_sglang.parking import JoiningRows, ParkedRows, merge_parked
+from uniprefill_sglang.parking import JoiningRows, park_chunk, parks_here, rejoining_rows
 from uniprefill_sglang.request_knobs import MAX_DROPPED_MASS as MAX_DROPPED_MASS_KNOB
-from uniprefill_sglang.selection import (DropCandidates, prefix_coverage, select_by_position,
-                                         select_survivors)
+from uniprefill_sglang.selection import (DropCandidates, Selection, prefix_coverage,
+                                         select_by_position, select_survivors)
 
 MAX_DROPPED_MASS_FLAG = "--uniprefill-max-dropped-mass"
 
@@ -70,22 +71,21 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
         ctx.report.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
         ctx.rejoined_whole[b] = joined
     masses = [0.0] * len(ctx.lens)
+    dropped = None  # the step's own rows its selection let go
     if step.selecting:
-        _select(rt, ctx, layer, step, keep, total, stage, drop_index, masses)
+        selection = _select(rt, layer, step, stage)
+        _bound(rt, ctx, step, selection, keep, drop_index, masses)
+        dropped = ~keep[:total]
     ctx.report.dropped_mass.append(masses)
     for b, rows in step.parking:
-        _park(rt, ctx, b, rows, q, keep, stage)
+        park_chunk(rt, ctx, b, rows, q, keep, stage)
     ctx.report.kept.append(list(ctx.lens))
-    if step.joining.count:  # surviving rejoined rows get the later layers' KV in this forward
-        joined, joined_kept = torch.cat(step.joining.slots), keep[sum(rows_per_request):]
-        rt.slots.mark_written(joined[joined_kept])
-        # The others stay dropped at the first drop, and give back the later stages' slots
-        # they kept while parked.
-        rt.slots.mark_dropped(joined[~joined_kept], 0)
     if rt.check_kv_lens and int(keep.sum()) != sum(ctx.lens):  # shrink trusts the host count
         raise CheckFailed(f"drop at layer {layer.layer_id}: {int(keep.sum())} rows kept on the "
                           f"device, {sum(ctx.lens)} on the host")
+    slots = ctx.out_cache_loc
     ctx.shrink(keep, step.joining, rows_per_request, park_sink=rt.parking.append)
+    _mark(rt, step, keep[total:], slots, dropped, stage)
     if rt.report_kept_positions:
         ctx.report.kept_digest.append(ctx.position_digest())
     if rt.check_kv_lens:
@@ -99,28 +99,6 @@ def _raise_test_fault(rt, ctx, drop_index) -> None:
             and any(d.enabled for d in decisions)):
         raise UniPrefillError(f"test fault at a drop layer (UNIPREFILL_TEST_FAULT="
                               f"{rt.test_fault})")
-
-
-def rejoining_rows(rt, ctx: DropContext, layer, q) -> Dict[int, ParkedRows]:
-    """At the first drop: per request, the rows that rejoin it here, from both providers: a
-    cached prefix it selects over anew (prefix_reuse.py) and, for a chunk that does not park,
-    the parked rows of its earlier chunks (parking.py), in position order."""
-    prefixes = rt.prefix_reuse.rejoining_prefixes(ctx, layer, q)
-    chunks = rt.parking.rejoining_chunks(ctx)
-    out = {}
-    for b in sorted(set(prefixes) | set(chunks)):
-        out[b] = merge_parked(prefixes[b], chunks.get(b)) if b in prefixes else chunks[b]
-    return out
-
-
-def rejoin_bound(config, d, tokens: int) -> Optional[int]:
-    """At most how many of `tokens` parked rows rejoin at the final chunk's first drop: a fixed
-    keep ratio's whole blocks, sinks and last queries; None (all of them) under top-p, or where
-    a dropped-mass bound may keep every row."""
-    ratio = d.ratio_at(0)
-    if not ratio or d.max_dropped_mass is not None:
-        return None
-    return math.ceil(ratio * tokens) + config.block_size + config.sink_tokens + config.last_queries
 
 
 def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
@@ -140,13 +118,9 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
             continue
         n = ctx.lens[b]
         own = torch.arange(start, start + n, device=device)
-        if first_drop and d.park and n > 0 and rt.parking.reserve(
-                d.rid, d.prompt_len, ctx.fixed_lens[b],
-                rejoin_bound(rt.config, d, d.prompt_len - ctx.fixed_lens[b])):
+        if first_drop and d.park and parks_here(rt, ctx, b, n):
             step.parking.append((b, own))
             continue
-        if first_drop and d.park and d.rid in rt.parking.refused:
-            ctx.note(b, f"non-final chunk, not parked ({rt.parking.refused[d.rid]}): runs dense")
         joined_rows = joins.get(b)
         if joined_rows is None and d.enabled and n < rt.config.min_tokens_to_drop:
             ctx.note(b, "too few new tokens to score")
@@ -196,9 +170,8 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     return step
 
 
-def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses) -> None:
-    """Select among the candidates, apply the first drop's mass bound, and fill `masses` (per
-    request, the mass let go) from the one host read of the drop: the kept counts."""
+def _select(rt, layer, step: _Step, stage) -> Selection:
+    """Which candidates survive: each request's top blocks, scored by its last queries."""
     reduce = rt.tp_agreement.reduce_scores if rt.tp_agreement is not None else None
     cands = step.cands
     cands.key_slots = rt.slots.pool_slots(cands.key_slots, stage)
@@ -208,9 +181,16 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
         selection = select_survivors(
             cands, rt.token_to_kv_pool.get_key_buffer(layer.layer_id), layer.scaling, rt.rule,
             reduce)
-    counts, mass = selection.counts, selection.dropped_mass
     if rt.check_tp:
-        rt.tp_agreement.verify(selection.keep_idx, counts)
+        rt.tp_agreement.verify(selection.keep_idx, selection.counts)
+    return selection
+
+
+def _bound(rt, ctx, step: _Step, selection: Selection, keep, drop_index, masses) -> None:
+    """Set the selection in `keep`, apply the first drop's mass bound, and fill `masses` (per
+    request, the mass let go) and the requests' surviving rows from the one host read of the
+    drop: the kept counts."""
+    counts, mass = selection.counts, selection.dropped_mass
     candidate_rows = torch.cat([rows for _, rows, _ in step.selecting])
     keep.index_copy_(0, candidate_rows, selection.keep_mask)
     decisions = ctx.plan.decisions
@@ -221,9 +201,6 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
     host = torch.cat([counts.to(torch.float64), mass]).tolist()
     num = len(step.selecting)
     host_counts, host_mass = host[:num], host[num:]
-    # Dropped rows keep KV for the layers up to this one only; rejoined rows that survive
-    # get the later layers' KV from the rest of this forward.
-    rt.slots.mark_dropped_where(ctx.out_cache_loc, ~keep[:total], stage)
     for (b, _, joined), count, m, bound in zip(step.selecting, host_counts, host_mass, bounds):
         if joined:
             ctx.report.kept[0][b] = joined + ctx.lens[b]
@@ -243,6 +220,19 @@ def _select(rt, ctx, layer, step: _Step, keep, total, stage, drop_index, masses)
         masses[b] = m
 
 
+def _mark(rt, step: _Step, joined_kept, slots, dropped, stage) -> None:
+    """The KV the shrink leaves behind: the step's dropped rows (`dropped` over their `slots`)
+    keep KV for the layers up to this one only; rejoined rows that survive (`joined_kept`) get
+    the later layers' KV from the rest of this forward, the others stay dropped at the first
+    drop and give back the later stages' slots they kept while parked."""
+    if dropped is not None:
+        rt.slots.mark_dropped_where(slots, dropped, stage)
+    if step.joining.count:
+        joined = torch.cat(step.joining.slots)
+        rt.slots.mark_written(joined[joined_kept])
+        rt.slots.mark_dropped(joined[~joined_kept], 0)
+
+
 def _hold_over_bound(ctx, step: _Step, keep, candidate_rows, counts, mass, bounds):
     """On the device: the segments whose selection lets go more than their bound keep every
     candidate row; returns the kept counts with theirs full."""
@@ -256,21 +246,6 @@ def _hold_over_bound(ctx, step: _Step, keep, candidate_rows, counts, mass, bound
     keep.index_copy_(0, candidate_rows,
                      keep.index_select(0, candidate_rows) | over.index_select(0, segment))
     return torch.where(over, sizes.to(counts.dtype), counts)
-
-
-def _park(rt, ctx, b, rows, q, keep, stage) -> None:
-    """All rows of a non-final chunk stop here and wait for the final chunk; the last one goes
-    on alone so the forward still yields the logits SGLang expects (discarded)."""
-    rid = ctx.plan.decisions[b].rid
-    last = rows[-rt.config.last_queries:]
-    ctx.parking.to_park.append((rid, rows))
-    ctx.parking.parked_now.append(b)
-    keep.index_fill_(0, rows[:-1], False)
-    rt.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
-    ctx.parking.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
-    rt.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
-    ctx.sparse[b] = True
-    ctx.lens[b] = 1
 
 
 def _check_extend_lens(rt, ctx: DropContext, stage: int) -> None:

@@ -11,6 +11,9 @@ inputs of each family. Three per-instance wrappers are enough:
   * every decoder layer, while the batch is compacted, gets the survivors' original positions
     and position inputs (RoPE cos/sin recomputed for them) and, as a fallback, gathers inputs
     that still have the pre-drop row count.
+The drop context comes with the forward batch (context.drop_context): the drop layer's
+RadixAttention and each decoder layer receive it; the wrappers on a layer's sublayers, which
+SGLang calls without it, read it from the layer's `LayerCall`, set by the layer's entry.
 The first drop layer's residual norm also saves every row's residual stream for prefix
 re-selection (prefix_checkpoint.py). From the first drop layer on, the MLP (and after it a
 linear-attention layer's mixer, in position order, and an attention layer's attention sublayer,
@@ -29,7 +32,7 @@ import logging
 import torch
 from torch import nn
 
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.drop import drop
 
 logger = logging.getLogger(__name__)
@@ -96,14 +99,46 @@ def _output_width(module: nn.Module) -> int:
     return int(getattr(module, "output_size_per_partition", module.output_size))
 
 
-def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape) -> None:
+class LayerCall:
+    """The drop context of a decoder layer's call while it runs, for the wrappers on its
+    sublayers (residual norm, MLP, mixer, attention sublayer), which SGLang calls without the
+    forward batch: the layer's entry sets it from its `forward_batch` argument and clears it
+    when the layer returns."""
+    __slots__ = ("ctx",)
+
+    def __init__(self):
+        self.ctx = None
+
+
+def _forward_batch_argument(signature):
+    """A function that finds the `forward_batch` argument of a call to a decoder layer's
+    forward: by position or by name (every family passes it one way or the other)."""
+    names = list(signature.parameters)
+    position = names.index("forward_batch") if "forward_batch" in names else None
+
+    def find(args, kwargs):
+        if position is not None and position < len(args):
+            return args[position]
+        return kwargs.get("forward_batch")
+
+    return find
+
+
+def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape, call: LayerCall) -> None:
     original = layer.forward
     signature = inspect.signature(original)
+    forward_batch_of = _forward_batch_argument(signature)
     position_inputs = [(name, getattr(inner, attr, None)) for name, attr in shape.position_inputs]
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        ctx = current()
+        ctx = call.ctx = drop_context(forward_batch_of(args, kwargs))
+        try:
+            return on_survivors(ctx, args, kwargs)
+        finally:
+            call.ctx = None
+
+    def on_survivors(ctx, args, kwargs):
         if ctx is None or not ctx.compacted:
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
@@ -146,12 +181,12 @@ def _survivor_position_input(ctx, name, module, hidden_states):
     return hit[1]
 
 
-def _wrap_residual_norm(norm: nn.Module, runtime, first_drop: bool) -> None:
+def _wrap_residual_norm(norm: nn.Module, runtime, first_drop: bool, call: LayerCall) -> None:
     original = norm.forward
 
     @functools.wraps(original)
     def forward(hidden_states, residual=None, *args, **kwargs):
-        ctx = current()
+        ctx = call.ctx
         if first_drop and residual is not None:
             _save_checkpoint(runtime, ctx, hidden_states, residual)
         if ctx is not None and ctx.pending_rows is not None and residual is not None:
@@ -191,14 +226,14 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
     def forward(q, k, v, forward_batch, *args, **kwargs):
         q_rows = q.reshape(-1, attn.tp_q_head_num * attn.qk_head_dim)  # Gemma 3: [1, n, H, D]
         if first_drop and not torch.compiler.is_compiling():
-            saving = _checkpointing(runtime, current(), forward_batch)
+            saving = _checkpointing(runtime, drop_context(forward_batch), forward_batch)
             # The norm hook of this layer saves with this batch's slots.
             runtime.checkpoint_batch = forward_batch if saving else None
             slots = forward_batch.out_cache_loc
             if saving and slots is not None and slots.shape[0] == q_rows.shape[0]:
                 runtime.checkpoint.save_queries(slots, q_rows)
         out = original(q, k, v, forward_batch, *args, **kwargs)
-        ctx = current()
+        ctx = drop_context(forward_batch)
         if ctx is not None and ctx.acts:
             queries = q_rows if ctx.row_piece is None else _gather_queries(ctx, attn, q_rows)
             if queries is not None:
@@ -225,7 +260,7 @@ def _gather_queries(ctx, attn, q_rows):
     return queries
 
 
-def _wrap_mlp(mlp: nn.Module, runtime) -> None:
+def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
     """The MLP (row-wise: each row's output depends on that row only) over at most
     `runtime.piece_rows` rows at a time, written into one output."""
     original = mlp.forward
@@ -233,11 +268,11 @@ def _wrap_mlp(mlp: nn.Module, runtime) -> None:
 
     @functools.wraps(original)
     def forward(hidden_states, *args, **kwargs):
-        ctx = current()
+        ctx = call.ctx
         n = hidden_states.shape[0]
         if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
             return original(hidden_states, *args, **kwargs)
-        runtime.pieced_mlp_calls += 1
+        runtime.stats.pieced_mlp_calls += 1
         return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
                           n, piece_rows)
 
@@ -263,7 +298,7 @@ def _in_pieces(run, n: int, piece_rows: int, ctx=None):
     return out
 
 
-def _wrap_linear_mixer(mixer: nn.Module, runtime) -> None:
+def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
     """A linear-attention mixer over at most `runtime.piece_rows` rows at a time, in position
     order: the drop context's `row_piece` tells the layer's backend adapter which rows it runs
     (backends/linear_attention.py), and each piece continues the state the one before it left.
@@ -273,12 +308,12 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime) -> None:
 
     @functools.wraps(original)
     def forward(hidden_states, *args, **kwargs):
-        ctx = current()
+        ctx = call.ctx
         n = hidden_states.shape[0]
         if (ctx is None or not ctx.is_extend or not ctx.compacted or n <= runtime.piece_rows
                 or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
-        runtime.pieced_mixer_calls += 1
+        runtime.stats.pieced_mixer_calls += 1
         return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
                           n, runtime.piece_rows, ctx)
 
@@ -314,7 +349,7 @@ def _rows(value, dim: int, start: int, end: int):
     return value
 
 
-def _wrap_attention(owner, name: str, runtime) -> None:
+def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
     """An attention sublayer after the first drop over at most `runtime.piece_rows` survivors at
     a time, in row order, while the batch is compacted: per piece its projections, KV write,
     attention and output projection. The drop context's `row_piece` tells the layer's backend
@@ -326,7 +361,7 @@ def _wrap_attention(owner, name: str, runtime) -> None:
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        ctx = current()
+        ctx = call.ctx
         hidden_states = signature.bind(*args, **kwargs).arguments.get("hidden_states")
         if (ctx is None or not ctx.is_extend or not ctx.compacted
                 or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2
@@ -362,26 +397,29 @@ def install(model: nn.Module, runtime, architecture) -> bool:
             getattr(layer, shape.residual_norm, None) is None
             for layer, attn in attending if attn.layer_id in drop_layers):
         return False
+    calls = {id(layer): LayerCall() for layer in layers}
     for layer in layers:  # linear-attention layers too: they run on the survivors
-        _wrap_layer_entry(layer, model.model, shape)
+        _wrap_layer_entry(layer, model.model, shape, calls[id(layer)])
     first = runtime.stages.drop_layers[0] if runtime.stages.drop_layers else len(layers)
     for i, layer in enumerate(layers):
+        call = calls[id(layer)]
         mlp = getattr(layer, shape.mlp, None)
         if i >= first and isinstance(mlp, nn.Module) and runtime.piece_rows > 0:
-            _wrap_mlp(mlp, runtime)
+            _wrap_mlp(mlp, runtime, call)
         mixer = getattr(layer, shape.linear_mixer, None) if shape.linear_mixer else None
         if i > first and isinstance(mixer, nn.Module) and runtime.piece_rows > 0:
-            _wrap_linear_mixer(mixer, runtime)
+            _wrap_linear_mixer(mixer, runtime, call)
         attn = _find_radix_attention(layer) if i > first and runtime.piece_rows > 0 else None
         sublayer = _attention_sublayer(layer, attn) if attn is not None else None
         if sublayer is not None:
-            _wrap_attention(*sublayer, runtime)
+            _wrap_attention(*sublayer, runtime, call)
     for layer, attn in attending:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]
             _wrap_drop_attention(attn, runtime, first_drop)
             if shape.residual_norm is not None:
-                _wrap_residual_norm(getattr(layer, shape.residual_norm), runtime, first_drop)
+                _wrap_residual_norm(getattr(layer, shape.residual_norm), runtime, first_drop,
+                                    calls[id(layer)])
             if first_drop:
                 # Parking needs the state right after the drop layer's attention.
                 runtime.parking.enabled = True

@@ -22,6 +22,7 @@ serves runs out of memory in the rejoin.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -338,3 +339,54 @@ class JoiningRows:
         rows = total + self.count + torch.arange(parked.count, device=device)
         self.count += parked.count
         return rows
+
+
+# ---- The first drop's parking and rejoin steps (drop.py runs them) ----------------------------
+def parks_here(rt, ctx, b: int, n: int) -> bool:
+    """At the first drop: does request b, a non-final chunk with `n` rows here, park (its rest
+    of the prompt fits, `ParkingLot.reserve`)? A refused one says why and runs dense."""
+    d = ctx.plan.decisions[b]
+    if n > 0 and rt.parking.reserve(d.rid, d.prompt_len, ctx.fixed_lens[b],
+                                    rejoin_bound(rt.config, d, d.prompt_len - ctx.fixed_lens[b])):
+        return True
+    if d.rid in rt.parking.refused:
+        ctx.note(b, f"non-final chunk, not parked ({rt.parking.refused[d.rid]}): runs dense")
+    return False
+
+
+def park_chunk(rt, ctx, b, rows, q, keep, stage) -> None:
+    """At the first drop (drop.py): all rows of request b, a non-final chunk, stop here and wait
+    for the final chunk; the last one goes on alone so the forward still yields the logits
+    SGLang expects (discarded). `keep` is the drop's row mask, `stage` its layer's."""
+    rid = ctx.plan.decisions[b].rid
+    last = rows[-rt.config.last_queries:]
+    ctx.parking.to_park.append((rid, rows))
+    ctx.parking.parked_now.append(b)
+    keep.index_fill_(0, rows[:-1], False)
+    rt.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
+    ctx.parking.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
+    rt.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
+    ctx.sparse[b] = True
+    ctx.lens[b] = 1
+
+
+def rejoining_rows(rt, ctx, layer, q) -> Dict[int, ParkedRows]:
+    """At the first drop: per request, the rows that rejoin it here, from both providers: a
+    cached prefix it selects over anew (prefix_reuse.py) and, for a chunk that does not park,
+    the parked rows of its earlier chunks (`ParkingLot.rejoining_chunks`), in position order."""
+    prefixes = rt.prefix_reuse.rejoining_prefixes(ctx, layer, q)
+    chunks = rt.parking.rejoining_chunks(ctx)
+    out = {}
+    for b in sorted(set(prefixes) | set(chunks)):
+        out[b] = merge_parked(prefixes[b], chunks.get(b)) if b in prefixes else chunks[b]
+    return out
+
+
+def rejoin_bound(config, d, tokens: int) -> Optional[int]:
+    """At most how many of `tokens` parked rows rejoin at the final chunk's first drop: a fixed
+    keep ratio's whole blocks, sinks and last queries; None (all of them) under top-p, or where
+    a dropped-mass bound may keep every row."""
+    ratio = d.ratio_at(0)
+    if not ratio or d.max_dropped_mass is not None:
+        return None
+    return math.ceil(ratio * tokens) + config.block_size + config.sink_tokens + config.last_queries

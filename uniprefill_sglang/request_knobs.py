@@ -1,6 +1,7 @@
 """Per-request UniPrefill knobs: one parser, used where SGLang validates sampling parameters
-(patches/sampling_params.py: a bad knob is an HTTP 400 naming it) and by the scheduler's
-per-request decision (request_plan.decide).
+(patches/sampling_params.py: a bad knob is an HTTP 400 naming it, the parse itself is not
+kept) and, once per request, on the scheduler side (request_plan.request_knobs keeps it on the
+`Req` as `req.uniprefill_knobs`, which every plan of the request reads).
 
 Clients set the knobs in ``sampling_params["custom_params"]`` (``/generate``) or in the request
 body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_params": {...}}``):

@@ -5,18 +5,22 @@ the chunking state) and attached to the ForwardBatch; the model side only reads 
 
 Per-request overrides travel in `sampling_params["custom_params"]` (OpenAI API: `extra_body=
 {"custom_params": {...}}`): `uniprefill` (bool), `uniprefill_top_p`, `uniprefill_keep_ratio`,
-`uniprefill_prefix_policy`, `uniprefill_max_dropped_mass` (request_knobs.py).
+`uniprefill_prefix_policy`, `uniprefill_max_dropped_mass` (request_knobs.py), parsed once per
+request on this side (`request_knobs`: kept on the Req as `req.uniprefill_knobs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Union
 
 from uniprefill_sglang import versions
 from uniprefill_sglang.config import PREFIX_POLICIES, UniPrefillConfig, per_drop
-from uniprefill_sglang.request_knobs import RequestKnobError, parse_request_knobs
+from uniprefill_sglang.request_knobs import RequestKnobError, RequestKnobs, parse_request_knobs
+
+if TYPE_CHECKING:
+    from uniprefill_sglang.context import DropContext
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +92,17 @@ class BatchPlan:
 
 @dataclasses.dataclass
 class ForwardInputs:
-    """What the ForwardBatch hook attaches as `forward_batch.uniprefill`: the batch's req-pool
-    rows on the host (decode and every drop read them without a device sync) and, for an
-    extend, its plan."""
-    req_rows: List[int]
+    """What a ForwardBatch carries for UniPrefill, as `forward_batch.uniprefill_inputs`: the
+    batch's req-pool rows on the host (decode and every drop read them without a device sync)
+    and, for an extend, its plan (both set by the ForwardBatch hook), and the drop context of
+    the forward that runs it (runtime.begin_forward opens it, end_forward closes it)."""
+    req_rows: Optional[List[int]]
     plan: Optional[BatchPlan] = None
+    drop_context: Optional["DropContext"] = None
 
 
 def forward_plan(fb) -> Optional[BatchPlan]:
-    inputs = getattr(fb, "uniprefill", None)
+    inputs = getattr(fb, "uniprefill_inputs", None)
     return inputs.plan if inputs is not None else None
 
 
@@ -113,6 +119,20 @@ def _custom_params(req) -> dict:
     return params if isinstance(params, dict) else {}
 
 
+def request_knobs(req, config: UniPrefillConfig) -> Union[RequestKnobs, RequestKnobError]:
+    """The request's knobs (or why they are invalid), parsed from its `custom_params` at its
+    first plan and kept on it as `req.uniprefill_knobs`: each chunk and step of the request
+    reads them there."""
+    knobs = getattr(req, "uniprefill_knobs", None)
+    if knobs is None:
+        try:
+            knobs = parse_request_knobs(_custom_params(req), config)
+        except RequestKnobError as e:
+            knobs = e
+        req.uniprefill_knobs = knobs
+    return knobs
+
+
 def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional[str],
            batch_reason: Optional[str], cached_len: int = 0) -> RequestDecision:
     """One request's decision for this step. `no_schedule`: why nothing drops in this process
@@ -125,12 +145,11 @@ def decide(req, extend_len: int, config: UniPrefillConfig, no_schedule: Optional
         return RequestDecision(False, top_p, keep_ratio or (), reason, prefix_policy=policy,
                                cached_len=cached_len, rid=getattr(req, "rid", None))
 
-    try:
-        knobs = parse_request_knobs(_custom_params(req), config)
-    except RequestKnobError as e:
+    knobs = request_knobs(req, config)
+    if isinstance(knobs, RequestKnobError):
         # The tokenizer already answers these with a 400 (patches/sampling_params.py); a
         # request that reached the scheduler another way still runs dense, saying why.
-        return dense(f"invalid per-request parameter: {e}")
+        return dense(f"invalid per-request parameter: {knobs}")
     top_p, keep_ratio, policy = knobs.top_p, knobs.keep_ratio, knobs.prefix_policy
     if not knobs.enabled:
         restore = cached_len > 0 and policy in RESTORES_DENSE and no_schedule is None

@@ -4,13 +4,16 @@
 (patches/model_runner.py), from the process's schedule (schedule.py). It holds what outlives a
 forward: which KV each slot holds per stage (kv_validity.py, stage_pools.py), the parked rows
 of chunked prefill (parking.py), the prefix checkpoint and reuse (prefix_reuse.py). Per forward
-it opens a `DropContext` (begin_forward), which each drop layer shrinks (drop.py), and closes it
+it opens a `DropContext` on the batch's side-car (begin_forward: `forward_batch.uniprefill_inputs`
+.drop_context, where the layer hooks and attention adapters read it from the batch they are
+given), which each drop layer shrinks (drop.py), and closes it
 (end_forward: per request, the KV each stage lacks, the host mirror decode plans with), or rolls
 back what a failed forward changed (abandon_forward).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -23,7 +26,7 @@ from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, S
 from uniprefill_sglang.parking import ParkingLot, rejoin_record, start_peak_measure
 from uniprefill_sglang.prefix_reuse import PrefixReuse
 from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
-from uniprefill_sglang.request_plan import forward_plan, is_prefill_mode
+from uniprefill_sglang.request_plan import ForwardInputs, forward_plan, is_prefill_mode
 from uniprefill_sglang.selection import SelectionRule
 from uniprefill_sglang.stage_pools import slot_bytes_per_layer, wire_stage_pools
 from uniprefill_sglang.state import plugin_state
@@ -44,6 +47,28 @@ def _kv_rows(pool, layer_id: int) -> int:
     if mapping and layer_id not in mapping:
         layer_id = next(iter(mapping))
     return pool.get_key_buffer(layer_id).shape[0]
+
+
+@dataclasses.dataclass
+class RuntimeStats:
+    """What the forwards so far did, as the scheduler's internal state reports it
+    (patches/scheduler.py), each counter named as it is reported there."""
+    # Prefill forwards that carried decode rows.
+    mixed_forwards: int = 0
+    # MLP and linear-attention mixer calls run in pieces (model_integration.py).
+    pieced_mlp_calls: int = 0
+    pieced_mixer_calls: int = 0
+    # Prompt tokens that reached a drop with UniPrefill on, and how many were left after the
+    # last drop.
+    scored_tokens: int = 0
+    kept_tokens: int = 0
+    # Attention-view buffers an adapter made in a request's path after start-up made them.
+    views_allocated_late: int = 0
+    # Decode steps run eagerly because a batch's per-stage lists outgrew the decode graph's
+    # (patches/cuda_graphs.py).
+    eager_decode_overflows: int = 0
+    # The latest rejoin (parking.rejoin_record).
+    last_rejoin: Optional[dict] = None
 
 
 class UniPrefillRuntime:
@@ -77,8 +102,6 @@ class UniPrefillRuntime:
         max_parked = config.max_parked_tokens
         self.parking = ParkingLot(req_to_token_pool.req_to_token.shape[1] if max_parked is None
                                   else max_parked)
-        self.pieced_mlp_calls = 0
-        self.pieced_mixer_calls = 0
         # rid -> why: requests UniPrefill could not answer from complete KV after a failure
         # (patches/scheduler.py finishes them with that error).
         self.failed_requests = {}
@@ -91,17 +114,10 @@ class UniPrefillRuntime:
             logger.info("UniPrefill: checkpoint for prefix re-selection, %.1f MiB",
                         self.checkpoint.bytes / 2**20)
         self.prefix_reuse = PrefixReuse(self, allocator, self.checkpoint)
-        # Observability: prefill forwards that carried decode rows; prompt tokens that reached
-        # a drop with UniPrefill on, and how many were left after the last drop.
-        self.mixed_forwards = self.scored_tokens = self.kept_tokens = 0
-        # Attention-view buffers an adapter made in a request's path after start-up made them.
-        self.views_allocated_late = 0
+        self.stats = RuntimeStats()
         # Entries of the decode graphs' per-stage index lists (backends/common.py
-        # `decode_graph_entries`; None: none captured), and decode steps run eagerly because a
-        # batch's lists held more.
+        # `decode_graph_entries`; None: none captured).
         self.decode_graph_entries = None
-        self.eager_decode_overflows = 0
-        self.last_rejoin = None  # the latest rejoin (parking.rejoin_record)
 
     @property
     def piece_rows(self) -> int:
@@ -137,7 +153,7 @@ class UniPrefillRuntime:
         ctx = DropContext(plan=plan, forward_batch=fb, is_extend=is_extend)
         if is_extend:
             if plan is not None and any(d.reason == "decode" for d in plan.decisions):
-                self.mixed_forwards += 1
+                self.stats.mixed_forwards += 1
             ctx.positions, ctx.out_cache_loc = fb.positions, fb.out_cache_loc
             ctx.lens = list(fb.extend_seq_lens_cpu)
             ctx.fixed_lens = self.prefix_lens(fb)
@@ -162,7 +178,10 @@ class UniPrefillRuntime:
             if self.check_kv_lens and any(ctx.sparse):
                 self.stage_kv.check_decode(fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu,
                                            ctx.kv_gaps)
-        plugin_state().forward = ctx
+        inputs = getattr(fb, "uniprefill_inputs", None)
+        if inputs is None:  # a batch the ForwardBatch hook did not build (an idle one)
+            inputs = fb.uniprefill_inputs = ForwardInputs(req_rows=None)
+        inputs.drop_context = ctx
         return ctx
 
     def _note_refused_parking(self, ctx: DropContext) -> None:
@@ -174,8 +193,13 @@ class UniPrefillRuntime:
                 ctx.note(b, f"earlier chunks not parked ({why})" + (
                     ": drops among its final chunk's tokens only" if d.enabled else ""))
 
+    @staticmethod
+    def _close(ctx: DropContext) -> None:
+        """The batch no longer runs in this drop context."""
+        ctx.forward_batch.uniprefill_inputs.drop_context = None
+
     def end_forward(self, ctx: DropContext) -> None:
-        plugin_state().forward = None
+        self._close(ctx)
         for slots in ctx.parking.ghost_slots:  # computed past the first drop on a partial view
             self.slots.mark_dropped(slots, 0, release=False)  # parked: it rejoins later
         for rid in ctx.parking.finished:
@@ -183,13 +207,13 @@ class UniPrefillRuntime:
         if ctx.is_extend and ctx.plan is not None and len(ctx.report.kept) > 1:
             for b, d in enumerate(ctx.plan.decisions):  # requests through every drop
                 if d.enabled and b not in ctx.parking.parked_now:
-                    self.scored_tokens += ctx.report.kept[0][b]
-                    self.kept_tokens += ctx.report.kept[-1][b]
+                    self.stats.scored_tokens += ctx.report.kept[0][b]
+                    self.stats.kept_tokens += ctx.report.kept[-1][b]
         if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
         if ctx.parking.rejoins:
-            self.last_rejoin = rejoin_record(ctx, self.parking.cost, self.last_rejoin,
-                                             self.piece_rows)
+            self.stats.last_rejoin = rejoin_record(ctx, self.parking.cost,
+                                                   self.stats.last_rejoin, self.piece_rows)
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
@@ -201,7 +225,7 @@ class UniPrefillRuntime:
         `give_up_parking` (the dense run failed as well): the parked rows are dropped instead,
         leaving their requests' earlier chunks with stage-0 KV only; the caller fails those
         requests (`failed_requests`)."""
-        plugin_state().forward = None
+        self._close(ctx)
         rows = self.host_rows(ctx.forward_batch)
         for b, (row, shared) in ctx.moved_prefixes.items():  # back to the shared prefix
             self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared
@@ -268,7 +292,7 @@ class UniPrefillRuntime:
     @staticmethod
     def host_rows(fb) -> list:
         """The batch's req-pool rows on the host (attached by the ForwardBatch hook)."""
-        inputs = getattr(fb, "uniprefill", None)
+        inputs = getattr(fb, "uniprefill_inputs", None)
         rows = inputs.req_rows if inputs is not None else None
         if rows is None or len(rows) != fb.batch_size:
             rows = fb.req_pool_indices.tolist()

@@ -239,7 +239,7 @@ class StagePools:
 def wire_stage_pools(stages: LayerStages, pool, allocator, device):
     """The stage pools when the KV pool was built with the staged layout (patches/kv_pool.py),
     wired to the allocator (patches/kv_allocator.py) and the pool's writes; else None."""
-    staged = getattr(pool, "uniprefill", None)
+    staged = getattr(pool, "uniprefill_stage_buffers", None)
     if staged is None:
         return None
     if allocator is None:
@@ -249,7 +249,7 @@ def wire_stage_pools(stages: LayerStages, pool, allocator, device):
         bytes_per_slot[stages.stage(layer)] += size
     pools = StagePools(staged.layout, pool.size, staged.sizes, bytes_per_slot, device)
     staged.maps = pools.maps
-    allocator.uniprefill = pools
+    allocator.uniprefill_stage_pools = pools
     total = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                 for k, v in zip(pool.k_buffer, pool.v_buffer))
     logger.info("UniPrefill staged KV layout: stage pools of %s slots (full pool %d), "

@@ -6,8 +6,6 @@ scheduler rank) holds one `PluginState`. What it holds is written in one place e
 * `schedule`: the drop schedule, resolved once per process from the model's facts
   (schedule.py; the first hook that sees the model resolves it, every later one reads it);
 * `runtime`: the model runner's UniPrefill runtime (patches/model_runner.py builds it);
-* `forward`: the drop context of the forward now running (runtime.begin_forward opens it,
-  end_forward closes it; the layer hooks and attention adapters read it);
 * `metrics`: the tokenizer manager's Prometheus counters (patches/metrics.py);
 * `logged`: the dense fallbacks already logged (each is logged once per process).
 """
@@ -19,7 +17,6 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from uniprefill_sglang.config import UniPrefillConfig
-    from uniprefill_sglang.context import DropContext
     from uniprefill_sglang.runtime import UniPrefillRuntime
     from uniprefill_sglang.schedule import Schedule
 
@@ -28,7 +25,6 @@ if TYPE_CHECKING:
 class PluginState:
     schedule: Optional["Schedule"] = None
     runtime: Optional["UniPrefillRuntime"] = None
-    forward: Optional["DropContext"] = None
     metrics: Optional[object] = None
     logged: set = dataclasses.field(default_factory=set)
     # The UniPrefill config of the server args it was built from (requests read it often).

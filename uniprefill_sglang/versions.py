@@ -21,6 +21,7 @@ Everything else in the plugin asks this module instead of testing versions itsel
 | a tree that shares nothing | `is_chunk_cache()` | `not supports_prefix_sharing()` |
 | the decoder layer's residual | passed to the layer and to its norms | `forward_batch.residual_stream`; the norms still take it |
 | attention rows | as given | narrowed to the batch's token count (`padded_extend_real_tokens`) |
+| `PrefillCudaGraphRunner.load_batch` | returns the static batch | returns (static batch, shared-read ends) |
 
 How each checked release is tested: 0.5.23, the release pip resolves for a user, by `bash .ci/run`
 (the README's demo command in a fresh environment, then the whole CPU suite); 0.5.17 by the last
@@ -165,3 +166,11 @@ def charge_prefill_budget(adder, tokens: int) -> None:
     else:
         adder.rem_total_token_offset += tokens
         adder.cur_rem_token_offset += tokens
+
+
+# ---- The model runner's runners.
+
+def loaded_batch(loaded) -> Any:
+    """The batch a runner's `load_batch` returned (0.5.23's `PrefillCudaGraphRunner` returns it
+    with the shared-read ends of its metadata)."""
+    return loaded[0] if isinstance(loaded, tuple) else loaded

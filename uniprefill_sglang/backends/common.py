@@ -102,10 +102,10 @@ class StageViewAdapter:
         return self.target.rsplit(".", 1)[-1]
 
     def state(self, backend):
-        st = backend.__dict__.get("uniprefill")
+        st = backend.__dict__.get("uniprefill_adapter_state")
         if st is None:
             st = self.State()
-            backend.uniprefill = st
+            backend.uniprefill_adapter_state = st
         return st
 
     def unsupported_reason(self, backend) -> Optional[str]:

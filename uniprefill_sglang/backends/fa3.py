@@ -36,7 +36,7 @@ from uniprefill_sglang.backends.common import (
     view_cache,
     write_kv,
 )
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.errors import UniPrefillError
 
 
@@ -107,7 +107,7 @@ def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `FlashAttentionBackend.forward_extend`."""
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
@@ -139,7 +139,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     """AROUND `FlashAttentionBackend.forward_decode`: a decode step whose layer needs a view
     never reads upstream's full page table (see the module docstring)."""
-    ctx, runtime = current(), active_runtime()
+    ctx, runtime = drop_context(forward_batch), active_runtime()
     if ctx is not None and not ctx.is_extend and needs_view(ctx, runtime, layer):
         raise UniPrefillError(f"FA3 layer {layer.layer_id}: decode over per-stage KV views runs "
                               "on the FlashInfer decode backend, not FA3")

@@ -72,7 +72,7 @@ from uniprefill_sglang.backends.common import (
     write_kv,
 )
 from uniprefill_sglang.backends.flashinfer_template import paged_template, use_paged_template
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.errors import UniPrefillError
 from uniprefill_sglang.kv_validity import (
     check_kv_lens,
@@ -222,7 +222,7 @@ def _made_late(st) -> None:
     `views_allocated_late` in the scheduler's internal state)."""
     runtime = get_runtime()
     if st.prepared and runtime is not None:
-        runtime.views_allocated_late += 1
+        runtime.stats.views_allocated_late += 1
 
 
 # The "stage" of the wrappers that a layer run in pieces plans at each call (`_plan_piece_view`).
@@ -376,7 +376,7 @@ def _merge_state():
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `FlashInferAttnBackend.forward_extend`."""
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     if k is None or args or kwargs or not ADAPTER.supported(backend):
@@ -432,7 +432,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     """AROUND `FlashInferAttnBackend.init_forward_metadata`: per-stage decode wrappers for a
     decode batch holding a request with sparse KV."""
     result = original(backend, forward_batch, *args, **kwargs)
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     fb = forward_batch
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
             or not decode_needs_views(ctx, runtime) or not ADAPTER.supported(backend)):
@@ -457,7 +457,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
                         fixed_split_size=backend.decode_split_tile_size, **kw)
         wrappers.append(w)
     staged = DecodeMetadata(wrappers, swa_out_cache_loc=meta.swa_out_cache_loc)
-    staged.uniprefill = True  # one decode wrapper per stage
+    staged.uniprefill_stage_wrappers = True
     window = _model_window(backend)
     if window is not None:
         _, indptr, indices, pos = _decode_window_views(backend, runtime, fb, bs, bs, window)
@@ -494,7 +494,7 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 def get_wrapper_idx(original, backend, layer):
     """AROUND `FlashInferAttnBackend._get_wrapper_idx`: under staged metadata, a layer after
     the first drop runs its stage's wrapper."""
-    if getattr(backend.forward_metadata, "uniprefill", False):
+    if getattr(backend.forward_metadata, "uniprefill_stage_wrappers", False):
         runtime = get_runtime()
         stage = runtime.stages.stage(layer.layer_id) if runtime is not None else 0
         if stage:  # after upstream's wrappers, one per stage
@@ -583,7 +583,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         return result
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    ctx = current()
+    ctx = drop_context(forward_batch)
     raw_bs = bs - int(getattr(fb, "num_padding", 0) or 0)
     rpi, seq_lens = fb.req_pool_indices[:bs], fb.seq_lens[:bs]
     n = seq_lens_sum(fb, bs)
@@ -630,7 +630,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
         _decode_window_views(backend, runtime, fb, bs, raw_bs, window, outs=indices,
                              indptr_outs=indptr, pos_outs=pos)
     if in_capture:
-        backend.forward_metadata.uniprefill = True
+        backend.forward_metadata.uniprefill_stage_wrappers = True
         if window is not None:
             backend.forward_metadata.uniprefill_windows = _window_lists(
                 st.graph_qo_indptr[: bs + 1], indptr[:, : bs + 1], indices, pos, stages)

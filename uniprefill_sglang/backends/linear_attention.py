@@ -30,7 +30,7 @@ import torch
 
 from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime,
                                                state_layer_rows, view_cache)
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 
 
 class GDNAdapter(StageViewAdapter):
@@ -63,7 +63,7 @@ def survivors_view(ctx, metadata, fb, stage: int):
 
 def forward_extend(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
     """AROUND `GDNAttnBackend.forward_extend`."""
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     stage = runtime.stages.stage(layer.layer_id) if runtime is not None else 0
     if ctx is None or not ctx.is_extend or not ctx.compacted or stage == 0:
         return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)

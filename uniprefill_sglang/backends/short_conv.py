@@ -20,7 +20,7 @@ import torch
 
 from uniprefill_sglang.backends.common import (StageViewAdapter, active_runtime,
                                                state_layer_rows, view_cache)
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 
 
 class ShortConvAdapter(StageViewAdapter):
@@ -51,7 +51,7 @@ def _survivor_fields(ctx, meta) -> dict:
 def conv_state_metadata(original, backend, layer_id, forward_batch, *args, **kwargs):
     """AROUND `ShortConvAttnBackend.conv_state_metadata`."""
     meta = original(backend, layer_id, forward_batch, *args, **kwargs)
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     if (runtime is None or ctx is None or not ctx.is_extend or not ctx.compacted
             or runtime.stages.stage(layer_id) == 0):
         return meta

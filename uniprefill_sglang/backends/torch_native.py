@@ -17,7 +17,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from uniprefill_sglang.backends.common import (StageViewAdapter, needs_view, row_piece,
                                                sliding_window)
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.device import to_device
 from uniprefill_sglang.runtime import get_runtime
 
@@ -71,7 +71,7 @@ def _masked_sdpa(q, k, v, mask, layer):
 
 
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
-    ctx, runtime = current(), get_runtime()
+    ctx, runtime = drop_context(forward_batch), get_runtime()
     if not (ctx is not None and ctx.is_extend and needs_view(ctx, runtime, layer)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
     fb = forward_batch
@@ -117,7 +117,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
 
 
 def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
-    ctx, runtime = current(), get_runtime()
+    ctx, runtime = drop_context(forward_batch), get_runtime()
     if not (ctx is not None and not ctx.is_extend and needs_view(ctx, runtime, layer)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)
     fb = forward_batch

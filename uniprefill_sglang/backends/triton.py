@@ -52,7 +52,7 @@ from uniprefill_sglang.backends.common import (
     window_extend_attention,
     write_kv,
 )
-from uniprefill_sglang.context import current
+from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.kv_validity import stage_views
 from uniprefill_sglang.runtime import get_runtime
 
@@ -137,7 +137,7 @@ def _extend_view(backend, runtime, ctx, stage: int):
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_extend`."""
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
@@ -176,7 +176,7 @@ _WINDOW_FIELDS = ("window_kv_indptr", "window_kv_indices", "num_kv_splits")
 def forward_decode(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_decode`: the layer's stage view, when one is set."""
     meta = backend.forward_metadata
-    views = getattr(meta, "uniprefill", None)
+    views = getattr(meta, "uniprefill_decode_views", None)
     runtime = get_runtime()
     windowed = sliding_window(layer) is not None
     view = (views.get((runtime.stages.stage(layer.layer_id), windowed))
@@ -201,7 +201,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     holding a request with sparse KV, and of every decode batch of a model with sliding-window
     layers (their window lists)."""
     result = original(backend, forward_batch, *args, **kwargs)
-    runtime, ctx = active_runtime(), current()
+    runtime, ctx = active_runtime(), drop_context(forward_batch)
     fb = forward_batch
     window = _model_window(backend)
     if (runtime is None or not fb.forward_mode.is_decode() or fb.spec_info is not None
@@ -216,7 +216,7 @@ def init_forward_metadata(original, backend, forward_batch, *args, **kwargs):
     for s in stages_after_first(runtime):
         splits.append(torch.empty(bs, dtype=torch.int32, device=counts.device))
         backend.get_num_kv_splits(splits[-1], counts[s - 1])
-    backend.forward_metadata.uniprefill = _decode_views(
+    backend.forward_metadata.uniprefill_decode_views = _decode_views(
         splits, indptr, indices, runtime.stages.num_drops, window)
     return result
 
@@ -256,7 +256,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
     bs = fb.batch_size
     stages = stages_after_first(runtime)
     window = _model_window(backend)
-    ctx = current()
+    ctx = drop_context(forward_batch)
     if window is not None or (not in_capture and decode_has_sparse(ctx)):
         # A model with windows always builds its lists: upstream's window list is not the
         # model's (see the module's docstring).
@@ -276,7 +276,7 @@ def init_forward_metadata_out_graph(original, backend, forward_batch, in_capture
             runtime.slots.pool_slots_after_first(backend.cuda_graph_kv_indices[:n]))
         st.graph_splits[:, :bs].copy_(backend.cuda_graph_num_kv_splits[:bs].expand(len(stages), -1))
     if in_capture:
-        backend.forward_metadata.uniprefill = _decode_views(
+        backend.forward_metadata.uniprefill_decode_views = _decode_views(
             [st.graph_splits[s - 1] for s in stages], st.graph_indptr[:, : bs + 1],
             st.graph_indices, len(stages), window)
     return result
