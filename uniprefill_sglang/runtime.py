@@ -102,7 +102,10 @@ class UniPrefillRuntime:
         self.decode_graph_entries = None
         self.eager_decode_overflows = 0
         self.last_rejoin = None  # the latest rejoin (parking.rejoin_record)
-        # rid -> block-sparse (kept, causal) pairs of a chunked prompt's chunks so far
+        # Block-sparse attention (backends/block_sparse.py): the prefill attention backend's
+        # class name (set with the runtime), and per rid the (kept, causal) block pairs of a
+        # chunked prompt's chunks so far.
+        self.prefill_backend = None
         self.block_sparse_chunks = {}
 
     @property

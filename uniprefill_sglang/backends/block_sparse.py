@@ -84,15 +84,14 @@ def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
     if not any(d.block_sparse for d in decisions):
         return None
     config = runtime.config
-    served = prefill_backend_name(ctx.forward_batch) in SERVED_BY
+    served = runtime.prefill_backend in SERVED_BY
     rules, asked, earlier = [], [], []
     for b, d in enumerate(decisions):
         ask = d.block_sparse is not None and d.reason != "decode"
         rule = d.block_sparse if ask else None
         if ask and not served:
-            ctx.note(b, f"block-sparse attention: the prefill backend "
-                        f"{prefill_backend_name(ctx.forward_batch)} has no block-sparse path, "
-                        "attended densely")
+            ctx.note(b, f"block-sparse attention: the prefill backend {runtime.prefill_backend} "
+                        "has no block-sparse path, attended densely")
             rule = None
         elif ask and ctx.fixed_lens[b] + ctx.lens[b] < config.block_sparse_min_tokens:
             rule = None  # a short sequence: dense this step
@@ -102,13 +101,6 @@ def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
     n = len(decisions)
     return BlockSparseStep(rules, asked, config.block_sparse_block_size, [0] * n, [0] * n,
                            earlier, runtime.block_sparse_chunks)
-
-
-def prefill_backend_name(fb) -> str:
-    from uniprefill_sglang.backends import serving_backends
-
-    backend = getattr(fb, "attn_backend", None)
-    return type(serving_backends(backend)[0]).__name__ if backend is not None else "unknown"
 
 
 def causal_pairs(n_q: int, n_k: int, block_size: int) -> int:
