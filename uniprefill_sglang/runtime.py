@@ -149,8 +149,6 @@ class UniPrefillRuntime:
             ctx.report.kept.append(list(ctx.lens))
             ctx.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, ctx.fixed_lens)
             ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
-            from uniprefill_sglang.backends.block_sparse import plan_step  # imports runtime
-            ctx.report.block_sparse = plan_step(self, ctx)
             if plan is not None and self.has_schedule:
                 self._note_refused_parking(ctx)
                 parked = {d.rid: self.parking.get(d.rid) for d in plan.decisions

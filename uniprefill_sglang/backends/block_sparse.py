@@ -35,7 +35,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from uniprefill_sglang import environ, kernels
-from uniprefill_sglang.backends.common import row_piece, sliding_window, stage_keys, write_kv
+from uniprefill_sglang.backends.common import (row_piece, sliding_window, stage_keys, view_cache,
+                                               write_kv)
 from uniprefill_sglang.kernels.block_sparse_reference import causal_block_pairs
 
 # The prefill backend classes with a block-sparse path (their adapters call `extend_attention`).
@@ -76,6 +77,15 @@ class BlockSparseStep:
         if not decision.final_chunk and decision.rid is not None:
             self.carry[decision.rid] = (kept, causal)
         return {META_KEY: round(kept / causal, 6) if causal else 1.0}
+
+
+def step_of(ctx, runtime) -> Optional[BlockSparseStep]:
+    """The extend forward's step, planned at its first use (a layer's attention, or the report
+    where none asked: patches/logits.py) and kept as `ctx.report.block_sparse`."""
+    cache = view_cache(ctx, "block_sparse")
+    if "step" not in cache:
+        cache["step"] = ctx.report.block_sparse = plan_step(runtime, ctx)
+    return cache["step"]
 
 
 def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
@@ -149,8 +159,10 @@ def extend_attention(pool, q, k, v, layer, save_kv_cache: bool) -> Optional[torc
     from uniprefill_sglang.runtime import get_runtime
 
     ctx, runtime = current(), get_runtime()
-    step = getattr(getattr(ctx, "report", None), "block_sparse", None)
-    if step is None or not ctx.is_extend or k is None or v is None or not step.applies_to(layer):
+    if ctx is None or runtime is None or not ctx.is_extend or k is None or v is None:
+        return None
+    step = step_of(ctx, runtime)
+    if step is None or not step.applies_to(layer):
         return None
     piece = row_piece(ctx)
     if not any(step.rules[b] for b, n in enumerate(piece.lens) if n):
