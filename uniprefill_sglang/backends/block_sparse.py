@@ -88,6 +88,13 @@ def step_of(ctx, runtime) -> Optional[BlockSparseStep]:
     return cache["step"]
 
 
+def runs_in(ctx, runtime) -> bool:
+    """Does some request of this extend attend block-sparse (so that it runs eagerly, not in a
+    prefill CUDA graph: patches/cuda_graphs.py)?"""
+    step = step_of(ctx, runtime)
+    return step is not None and any(step.rules)
+
+
 def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
     """The forward's plan, or None where no request asks for block-sparse attention."""
     decisions = ctx.plan.decisions if ctx.plan is not None else []
