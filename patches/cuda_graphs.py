@@ -34,13 +34,16 @@ from uniprefill_sglang.patches.hook_table import Hook
 
 
 def needs_eager_prefill(forward_batch) -> bool:
+    from uniprefill_sglang.backends import block_sparse
     from uniprefill_sglang.context import drop_context
     from uniprefill_sglang.runtime import get_runtime
 
     runtime, ctx = get_runtime(), drop_context(forward_batch)
-    if runtime is None or not runtime.has_schedule or ctx is None or not ctx.is_extend:
+    if runtime is None or ctx is None or not ctx.is_extend:
         return False
-    return ctx.acts
+    if block_sparse.runs_in(ctx, runtime):  # its attention is chosen on the host per step
+        return True
+    return runtime.has_schedule and ctx.acts
 
 
 def _flashinfer_wrapper_pair(runner) -> bool:

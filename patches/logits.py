@@ -37,12 +37,15 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
             ctx.own_lens(), logits_metadata.extend_seq_lens.dtype, hidden_states.device)
     output = original(processor, input_ids, hidden_states, lm_head, logits_metadata,
                       *args, **kwargs)
+    from uniprefill_sglang.backends import block_sparse
     from uniprefill_sglang.runtime import get_runtime
 
     runtime = get_runtime()
     missing = None
     if runtime is not None and runtime.check_kv_lens and runtime.has_schedule:
         missing = runtime.missing_kv(ctx.forward_batch)
+    if runtime is not None:  # block-sparse attention's step, where no layer planned it
+        block_sparse.step_of(ctx, runtime)
     info = []
     for b, decision in enumerate(ctx.plan.decisions):
         entry = ctx.report.entry(b, decision)

@@ -72,6 +72,13 @@ def test_the_checkpoint_is_kept_on_request_or_for_reselect():
         (dict(max_dropped_mass=-0.01), "--uniprefill-max-dropped-mass must be in \\[0, 1\\]"),
         (dict(max_dropped_mass=1.5), "--uniprefill-max-dropped-mass must be in \\[0, 1\\]"),
         (dict(max_dropped_mass=float("nan")), "--uniprefill-max-dropped-mass"),
+        (dict(block_sparse_density=0.0), "--uniprefill-block-sparse-density must be in"),
+        (dict(block_sparse_density=1.5), "--uniprefill-block-sparse-density must be in"),
+        (dict(block_sparse_top_p=float("nan")), "--uniprefill-block-sparse-top-p must be in"),
+        (dict(block_sparse_density=0.3, block_sparse_top_p=0.9), "mutually exclusive"),
+        (dict(block_sparse_block_size=8), "--uniprefill-block-sparse-block-size"),
+        (dict(block_sparse_block_size=48), "--uniprefill-block-sparse-block-size"),
+        (dict(block_sparse_min_tokens=-1), "--uniprefill-block-sparse-min-tokens"),
     ],
 )
 def test_invalid_knobs_name_the_flag(override, flag):
@@ -213,6 +220,13 @@ def test_cli_accepts_the_flags(smollm2_path):
     assert cfg.drop_layers == (3, 9) and cfg.block_size == 32 and cfg.min_tokens_to_drop == 1024
     assert cfg.keep_ratio == (0.5,) and cfg.max_dropped_mass == 0.05
     assert cfg.kv_layout == "staged" and cfg.stage_kv_fraction is None
+    assert not cfg.block_sparse and cfg.block_sparse_block_size == 64
+    cfg = _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
+                    "--uniprefill-block-sparse-density", "0.3",
+                    "--uniprefill-block-sparse-block-size", "32",
+                    "--uniprefill-block-sparse-min-tokens", "256"]).uniprefill_config()
+    assert cfg.block_sparse and (cfg.block_sparse_density, cfg.block_sparse_top_p) == (0.3, None)
+    assert (cfg.block_sparse_block_size, cfg.block_sparse_min_tokens) == (32, 256)
     cfg = _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
                     "--uniprefill-kv-layout", "shared", "--uniprefill-stage-kv-fraction",
                     "0.6,0.3"]).uniprefill_config()
@@ -226,6 +240,9 @@ def test_cli_accepts_the_flags(smollm2_path):
         (["--uniprefill-drop-layers", "7,40"], "layer 40 is out of range"),
         (["--uniprefill-max-dropped-mass", "2"], "--uniprefill-max-dropped-mass must be in"),
         (["--attention-backend", "flex_attention"], "does not support --attention-backend flex_attention"),
+        (["--uniprefill-block-sparse-density", "0.3", "--attention-backend", "flashinfer"],
+         "the prefill attention backend flashinfer \\(--attention-backend\\) has no block-sparse"),
+        (["--uniprefill-block-sparse-top-p", "2"], "--uniprefill-block-sparse-top-p must be in"),
         (["--pp-size", "2"], "does not support --pp-size > 1"),
         (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
          "cannot be combined with --enable-dp-attention"),

@@ -221,6 +221,8 @@ BAD_KNOBS = [
     ("uniprefill_keep_ratio", [1.5]),
     ("uniprefill", "yes"),
     ("uniprefill_topp", 0.9),
+    ("uniprefill_block_sparse_density", 0),
+    ("uniprefill_block_sparse_top_p", 1.5),
 ]
 PATHS = ["/generate", "/v1/completions", "/v1/chat/completions"]
 

@@ -62,6 +62,17 @@ BAD = [
     ({"uniprefill_max_dropped_mass": None}, "uniprefill_max_dropped_mass", "null"),
     ({"uniprefill_max_dropped_mass": False}, "uniprefill_max_dropped_mass", "got false"),
     ({"uniprefill_max_dropped_mass": "0.1"}, "uniprefill_max_dropped_mass", "must be a number"),
+    ({"uniprefill_block_sparse_density": 0}, "uniprefill_block_sparse_density",
+     "in (0, 1], got 0.0"),
+    ({"uniprefill_block_sparse_density": 1.5}, "uniprefill_block_sparse_density",
+     "in (0, 1], got 1.5"),
+    ({"uniprefill_block_sparse_density": "0.3"}, "uniprefill_block_sparse_density",
+     "must be a number in (0, 1], got '0.3'"),
+    ({"uniprefill_block_sparse_density": None}, "uniprefill_block_sparse_density", "null"),
+    ({"uniprefill_block_sparse_top_p": True}, "uniprefill_block_sparse_top_p", "got true"),
+    ({"uniprefill_block_sparse_top_p": math.nan}, "uniprefill_block_sparse_top_p", "got nan"),
+    ({"uniprefill_block_sparse_top_p": 0.9, "uniprefill_block_sparse_density": 0.3},
+     "uniprefill_block_sparse_top_p", "mutually exclusive"),
 ]
 
 
@@ -121,8 +132,17 @@ def test_good_knobs():
     assert parse({"uniprefill_top_p": 0.9}, profiled).max_dropped_mass is None
     assert parse({"uniprefill_top_p": 0.9, "uniprefill_max_dropped_mass": 0.1},
                  profiled).max_dropped_mass == 0.1
+    # Block-sparse attention: the server's rule unless the request sets one of its own.
+    assert parse({}, TOP_P_SERVER).block_sparse is None
+    assert parse({"uniprefill_block_sparse_density": 0.3}, TOP_P_SERVER).block_sparse == (
+        "density", 0.3)
+    sparse_server = build_config(**{**FLAGS, "block_sparse_density": 0.5})
+    assert parse({}, sparse_server).block_sparse == ("density", 0.5)
+    assert parse({"uniprefill_block_sparse_top_p": 1}, sparse_server).block_sparse == (
+        "top_p", 1.0)
     assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio",
-                     "uniprefill_prefix_policy", "uniprefill_max_dropped_mass")
+                     "uniprefill_prefix_policy", "uniprefill_max_dropped_mass",
+                     "uniprefill_block_sparse_density", "uniprefill_block_sparse_top_p")
 
 
 # One-per-drop forms: the start-up flags and the per-request knobs share one parser, so a value

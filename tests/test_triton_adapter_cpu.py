@@ -10,6 +10,9 @@ the same kept counts:
 * a question over a document, then two more over the cached document: one re-selects (verify),
   one reads the sparse prefix as cached (reuse-sparse: views of a prefix that lacks tokens in
   later stages), all decoding eight tokens through the per-stage decode views.
+* a prompt with block-sparse attention (backends/block_sparse.py), chunked: the adapter hands
+  its layers to the module before and after the drops (the attention itself is the module's
+  torch path on the CPU, its Triton kernel being tested in test_block_sparse.py).
 The GPU tests (tests/gpu) cover the same adapter with CUDA graphs, bf16 and long prompts.
 """
 
@@ -30,6 +33,7 @@ ENGINE = dict(skip_tokenizer_init=True, context_length=2048, log_level="warning"
               enable_uniprefill=True, uniprefill_drop_layers="1,2", uniprefill_keep_ratio=0.5,
               uniprefill_block_size=16, uniprefill_sink_tokens=16, uniprefill_last_queries=16,
               chunked_prefill_size=128, uniprefill_prefix_checkpoint=True,
+              uniprefill_block_sparse_block_size=16, uniprefill_block_sparse_min_tokens=64,
               # one part per sequence in Triton's decode kernel keeps the interpreter quick
               triton_attention_num_kv_splits=1)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
@@ -43,6 +47,7 @@ _rng = random.Random(0)
 BATCH = [_ids(_rng, 300), _ids(_rng, 200)]
 DOC = _ids(_rng, 256)
 QUESTIONS = [_ids(_rng, 40) for _ in range(3)]
+SPARSE = _ids(_rng, 260)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +64,9 @@ def _workload(engine) -> dict:
     out["doc"] = [engine.generate(input_ids=DOC + q, sampling_params=dict(
         GREEDY, custom_params={"uniprefill_prefix_policy": p}))
         for q, p in zip(QUESTIONS, policies)]
+    # block-sparse attention before and after the drops, a chunk's queries over its prefix
+    out["sparse"] = engine.generate(input_ids=SPARSE, sampling_params=dict(
+        GREEDY, custom_params={"uniprefill_block_sparse_density": 0.3}))
     out["state"] = idle_state(engine)
     return out
 
@@ -78,8 +86,9 @@ def runs(model_dir):
 
 def _answers(run) -> list:
     return [(o["output_ids"], o["meta_info"]["uniprefill"][-1]["kept_tokens"],
-             (o["meta_info"]["uniprefill"][-1].get("prefix") or {}).get("action"))
-            for o in run["batch"] + run["doc"]]
+             (o["meta_info"]["uniprefill"][-1].get("prefix") or {}).get("action"),
+             o["meta_info"]["uniprefill"][-1].get("block_sparse_density"))
+            for o in run["batch"] + run["doc"] + [run["sparse"]]]
 
 
 def test_the_workload_drops_parks_and_reuses(runs):
@@ -91,6 +100,7 @@ def test_the_workload_drops_parks_and_reuses(runs):
                for o in ref["doc"]]
     assert actions[0] is None and actions[2] == "reused"
     assert all(o["meta_info"]["cached_tokens"] >= len(DOC) for o in ref["doc"][1:])
+    assert 0.3 <= ref["sparse"]["meta_info"]["uniprefill"][-1]["block_sparse_density"] < 0.6
 
 
 def test_triton_answers_as_the_reference(runs):

@@ -44,6 +44,12 @@ DEFAULT_PREFIX_POLICY = "verify"
 # staged layout would cost view work for no memory.
 KV_LAYOUTS = ("staged", "shared")
 DEFAULT_KV_LAYOUT = None
+# Block-sparse prefill attention (backends/block_sparse.py): key blocks of this many tokens, and
+# requests with fewer keys in a step (prefix and new tokens) attend densely.
+DEFAULT_BLOCK_SPARSE_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SPARSE_MIN_TOKENS = 1024
+# The prefill attention backends with a block-sparse path (FlashInfer has none yet).
+BLOCK_SPARSE_ATTENTION_BACKENDS = ("torch_native", "triton", "fa3")
 
 
 # Profiles written by `python -m uniprefill_sglang.tools.calibrate` for the models we calibrated.
@@ -219,6 +225,16 @@ class UniPrefillConfig:
     # The bound is the profile's, calibrated with its top-p: a request that selects otherwise
     # (its own top-p or keep ratio) is not held to it.
     bound_from_profile: bool = False
+    # Block-sparse prefill attention, off unless one of density (a fixed fraction of each query
+    # block's causal key blocks) and top-p (the estimated mass to keep) is set.
+    block_sparse_density: Optional[float] = None
+    block_sparse_top_p: Optional[float] = None
+    block_sparse_block_size: int = DEFAULT_BLOCK_SPARSE_BLOCK_SIZE
+    block_sparse_min_tokens: int = DEFAULT_BLOCK_SPARSE_MIN_TOKENS
+
+    @property
+    def block_sparse(self) -> bool:
+        return self.block_sparse_density is not None or self.block_sparse_top_p is not None
 
     def top_p_at(self, drop_index: int) -> float:
         return per_drop(self.top_p, drop_index)
@@ -268,6 +284,10 @@ def build_config(
     prefix_checkpoint: bool = False,
     max_dropped_mass: Optional[float] = None,
     neighbor_blocks: Optional[int] = None,
+    block_sparse_density: Optional[float] = None,
+    block_sparse_top_p: Optional[float] = None,
+    block_sparse_block_size: Optional[int] = None,
+    block_sparse_min_tokens: Optional[int] = None,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -303,6 +323,8 @@ def build_config(
         raise UniPrefillConfigError(
             "--uniprefill-max-dropped-mass must be in [0, 1] (the share of a request's attention "
             f"mass its first drop may let go), got {max_dropped_mass}")
+    sparse = _parse_block_sparse(block_sparse_density, block_sparse_top_p,
+                                 block_sparse_block_size, block_sparse_min_tokens)
     return UniPrefillConfig(
         top_p=top_ps or (DEFAULT_TOP_P,),
         keep_ratio=keep_ratios,
@@ -320,7 +342,31 @@ def build_config(
         prefix_checkpoint=bool(prefix_checkpoint) or prefix_policy == "reselect",
         max_dropped_mass=None if max_dropped_mass is None else float(max_dropped_mass),
         bound_from_profile=bound_from_profile,
+        **sparse,
     )
+
+
+def _parse_block_sparse(density, top_p, block_size, min_tokens) -> dict:
+    """The block-sparse attention fields of the config, checked."""
+    if density is not None and top_p is not None:
+        raise UniPrefillConfigError(
+            "--uniprefill-block-sparse-density and --uniprefill-block-sparse-top-p are mutually "
+            "exclusive: set at most one (density keeps a fixed fraction of key blocks, top-p the "
+            "blocks holding that estimated attention mass)")
+    for flag, value in (("--uniprefill-block-sparse-density", density),
+                        ("--uniprefill-block-sparse-top-p", top_p)):
+        if value is not None and not (is_number(value) and 0.0 < float(value) <= 1.0):
+            raise UniPrefillConfigError(f"{flag} must be in (0, 1], got {value!r}")
+    block_size = _or_default(block_size, DEFAULT_BLOCK_SPARSE_BLOCK_SIZE)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise UniPrefillConfigError(
+            "--uniprefill-block-sparse-block-size must be a power of two >= 16 (the Triton "
+            f"kernel's smallest query tile), got {block_size}")
+    min_tokens = _or_default(min_tokens, DEFAULT_BLOCK_SPARSE_MIN_TOKENS)
+    _check_minimum("--uniprefill-block-sparse-min-tokens", min_tokens, 0)
+    return dict(block_sparse_density=None if density is None else float(density),
+                block_sparse_top_p=None if top_p is None else float(top_p),
+                block_sparse_block_size=int(block_size), block_sparse_min_tokens=int(min_tokens))
 
 
 def _fill_from_profile(profile: Profile, knobs: dict, keep_ratio) -> bool:

@@ -197,11 +197,15 @@ class DropReport:
     prefix_outcomes: Dict[int, object] = dataclasses.field(default_factory=dict)
     # Did SGLang's prefill CUDA graph run the step (None: no graph runner was asked)?
     prefill_graph: Optional[bool] = None
+    # Block-sparse attention's plan and tally (backends/block_sparse.py; None: off).
+    block_sparse: Optional[object] = None
 
     def entry(self, b: int, decision) -> dict:
         entry = {"enabled": decision.enabled, "reason": self.notes.get(b, decision.reason),
                  "kept_tokens": [stage_lens[b] for stage_lens in self.kept],
                  "dropped_mass": [float(f"{drop[b]:.6g}") for drop in self.dropped_mass]}
+        if self.block_sparse is not None:
+            entry.update(self.block_sparse.entry(b, decision))
         if b in self.prefix_outcomes:  # a cached prefix: reused or re-selected, and why
             entry["prefix"] = self.prefix_outcomes[b].as_dict()
         if self.prefill_graph is not None:

@@ -16,6 +16,11 @@ body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_p
   ``dense-prefix`` (as ``--uniprefill-prefix-policy``; prefix_reuse.py).
 * ``uniprefill_max_dropped_mass``: a number in [0, 1] (as ``--uniprefill-max-dropped-mass``): a
   first drop that would let go more of the request's attention mass keeps every token instead.
+* ``uniprefill_block_sparse_density`` / ``uniprefill_block_sparse_top_p``: a number in (0, 1]
+  (as ``--uniprefill-block-sparse-density`` / ``--uniprefill-block-sparse-top-p``): block-sparse
+  prefill attention for this request, replacing the server's rule (the two together are
+  refused); where the prefill backend has no block-sparse path the request attends densely and
+  ``meta_info`` says why.
 
 Rules, all enforced with a ``ValueError`` that names the knob:
 
@@ -45,7 +50,10 @@ TOP_P = "uniprefill_top_p"
 KEEP_RATIO = "uniprefill_keep_ratio"
 PREFIX_POLICY = "uniprefill_prefix_policy"
 MAX_DROPPED_MASS = "uniprefill_max_dropped_mass"
-KNOBS = (ENABLE, TOP_P, KEEP_RATIO, PREFIX_POLICY, MAX_DROPPED_MASS)
+BLOCK_SPARSE_DENSITY = "uniprefill_block_sparse_density"
+BLOCK_SPARSE_TOP_P = "uniprefill_block_sparse_top_p"
+KNOBS = (ENABLE, TOP_P, KEEP_RATIO, PREFIX_POLICY, MAX_DROPPED_MASS, BLOCK_SPARSE_DENSITY,
+         BLOCK_SPARSE_TOP_P)
 
 
 class RequestKnobError(ValueError):
@@ -59,6 +67,8 @@ class RequestKnobs:
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: select by top-p
     prefix_policy: str = DEFAULT_PREFIX_POLICY
     max_dropped_mass: Optional[float] = None  # None: no bound
+    # Block-sparse attention: ("density" or "top_p", value), or None (dense attention).
+    block_sparse: Optional[tuple] = None
 
 
 def _name(key: str) -> str:
@@ -72,6 +82,37 @@ def _bound(key: str, value: Any) -> float:
     if not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise RequestKnobError(f"{_name(key)} must be in [0, 1], got {_show(value)}")
     return value
+
+
+def _fraction(key: str, value: Any) -> float:
+    """A number in (0, 1]."""
+    if not is_number(value):
+        raise RequestKnobError(f"{_name(key)} must be a number in (0, 1], got {_show(value)}")
+    value = float(value)
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise RequestKnobError(f"{_name(key)} must be in (0, 1], got {_show(value)}")
+    return value
+
+
+def _block_sparse_rule(custom_params: dict, config: UniPrefillConfig) -> Optional[tuple]:
+    """("density" or "top_p", value) from the knobs, else the server's flags; None: off."""
+    if BLOCK_SPARSE_DENSITY in custom_params and BLOCK_SPARSE_TOP_P in custom_params:
+        raise RequestKnobError(
+            f"{_name(BLOCK_SPARSE_DENSITY)} and {_name(BLOCK_SPARSE_TOP_P)} are mutually "
+            "exclusive: set at most one")
+    if BLOCK_SPARSE_DENSITY in custom_params:
+        return "density", _fraction(BLOCK_SPARSE_DENSITY, custom_params[BLOCK_SPARSE_DENSITY])
+    if BLOCK_SPARSE_TOP_P in custom_params:
+        return "top_p", _fraction(BLOCK_SPARSE_TOP_P, custom_params[BLOCK_SPARSE_TOP_P])
+    return server_block_sparse_rule(config)
+
+
+def server_block_sparse_rule(config: UniPrefillConfig) -> Optional[tuple]:
+    if config.block_sparse_density is not None:
+        return "density", config.block_sparse_density
+    if config.block_sparse_top_p is not None:
+        return "top_p", config.block_sparse_top_p
+    return None
 
 
 def _show(value: Any) -> str:
@@ -103,7 +144,8 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
     top_p, keep_ratio = config.top_p, tuple(config.keep_ratio or ())
     policy, bound = config.prefix_policy, config.max_dropped_mass
     if not isinstance(custom_params, dict):
-        return RequestKnobs(True, top_p, keep_ratio, policy, bound)
+        return RequestKnobs(True, top_p, keep_ratio, policy, bound,
+                            server_block_sparse_rule(config))
     unknown = sorted(k for k in custom_params if _is_ours(k) and k not in KNOBS)
     if unknown:
         raise RequestKnobError(
@@ -133,4 +175,5 @@ def parse_request_knobs(custom_params: Optional[dict], config: UniPrefillConfig)
                 f"got {_show(policy)}")
     if MAX_DROPPED_MASS in custom_params:
         bound = _bound(MAX_DROPPED_MASS, custom_params[MAX_DROPPED_MASS])
-    return RequestKnobs(enabled, top_p, keep_ratio, policy, bound)
+    return RequestKnobs(enabled, top_p, keep_ratio, policy, bound,
+                        _block_sparse_rule(custom_params, config))

@@ -65,6 +65,9 @@ class RequestDecision:
     # False for a chunk before the prompt's last (parked or not): what concerns the whole
     # prompt (e.g. why its chunks were not parked) is reported on the final chunk.
     final_chunk: bool = True
+    # Block-sparse prefill attention: ("density" or "top_p", value), or None (dense attention;
+    # backends/block_sparse.py), whether or not the request drops.
+    block_sparse: Optional[tuple] = None
 
     def ratio_at(self, drop_index: int) -> float:
         """Keep ratio of the given drop, or 0.0 for top-p selection."""
@@ -239,5 +242,14 @@ def plan_batch(batch, config: UniPrefillConfig, no_schedule: Optional[str],
                    _cached_len(req, radix))
         if d.reason is not None and not d.park:
             log_fallback_once(d.reason)
-        decisions.append(d)
+        decisions.append(_with_block_sparse(d, req, config))
     return BatchPlan(decisions)
+
+
+def _with_block_sparse(d: RequestDecision, req, config: UniPrefillConfig) -> RequestDecision:
+    """The request's block-sparse rule; none where it asked to run dense or sent a bad knob
+    (its decision says so)."""
+    knobs = request_knobs(req, config)
+    if isinstance(knobs, RequestKnobError):
+        return d
+    return dataclasses.replace(d, block_sparse=knobs.block_sparse if knobs.enabled else None)

@@ -21,7 +21,10 @@ from uniprefill_sglang import architectures as arch_table
 from uniprefill_sglang import environ, versions
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
+    BLOCK_SPARSE_ATTENTION_BACKENDS,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_BLOCK_SPARSE_BLOCK_SIZE,
+    DEFAULT_BLOCK_SPARSE_MIN_TOKENS,
     DEFAULT_KV_LAYOUT,
     DEFAULT_LAST_QUERIES,
     DEFAULT_PREFIX_POLICY,
@@ -171,6 +174,31 @@ class UniPrefillServerArgs(ServerArgs):
                  "custom_params uniprefill_max_dropped_mass."),
     ] = None
 
+    uniprefill_block_sparse_density: A[
+        Optional[float],
+        Arg(help="UniPrefill block-sparse prefill attention: each query block reads this fixed "
+                 "fraction of its causal key blocks, in (0, 1] (the sink, local and highest "
+                 "estimated blocks; the stand-in random weights need for speed runs). Unset: "
+                 "off. Per request: custom_params uniprefill_block_sparse_density."),
+    ] = None
+    uniprefill_block_sparse_top_p: A[
+        Optional[float],
+        Arg(help="UniPrefill block-sparse prefill attention: each query block reads the key "
+                 "blocks holding this share of its estimated attention mass, in (0, 1]. Unset: "
+                 "off. Per request: custom_params uniprefill_block_sparse_top_p."),
+    ] = None
+    uniprefill_block_sparse_block_size: A[
+        Optional[int],
+        Arg(help="UniPrefill block-sparse attention: tokens per query and key block (a power "
+                 f"of two >= 16; default {DEFAULT_BLOCK_SPARSE_BLOCK_SIZE})."),
+    ] = None
+    uniprefill_block_sparse_min_tokens: A[
+        Optional[int],
+        Arg(help="UniPrefill block-sparse attention: a request with fewer keys in a prefill "
+                 "step (its prefix and new tokens) attends densely (default "
+                 f"{DEFAULT_BLOCK_SPARSE_MIN_TOKENS})."),
+    ] = None
+
     def __post_init__(self):
         if versions.resolves_when_built(ServerArgs):
             self._resolve_with_uniprefill(super().__post_init__)
@@ -254,6 +282,10 @@ class UniPrefillServerArgs(ServerArgs):
             stage_kv_fraction=self.uniprefill_stage_kv_fraction,
             prefix_checkpoint=self.uniprefill_prefix_checkpoint,
             max_dropped_mass=self.uniprefill_max_dropped_mass,
+            block_sparse_density=self.uniprefill_block_sparse_density,
+            block_sparse_top_p=self.uniprefill_block_sparse_top_p,
+            block_sparse_block_size=self.uniprefill_block_sparse_block_size,
+            block_sparse_min_tokens=self.uniprefill_block_sparse_min_tokens,
         )
 
     @staticmethod
@@ -306,8 +338,9 @@ class UniPrefillServerArgs(ServerArgs):
                 "cannot read as keys (supported: auto, bf16/bfloat16, fp8_e4m3, fp8_e5m2)"
             )
 
-    @staticmethod
-    def _check_uniprefill_backend(args):
+    def _check_uniprefill_backend(self, args):
+        if self.uniprefill_config().block_sparse:
+            self._check_block_sparse_backend(args)
         for flag, value in (
             ("--attention-backend", args.attention_backend),
             ("--prefill-attention-backend", args.prefill_attention_backend),
@@ -318,6 +351,23 @@ class UniPrefillServerArgs(ServerArgs):
                     f"--enable-uniprefill does not support {flag} {value}; "
                     f"supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)}"
                 )
+
+    @staticmethod
+    def _check_block_sparse_backend(args):
+        """Block-sparse attention runs where the prefill backend has a path for it
+        (backends/block_sparse.py), over KV kept in the model's dtype."""
+        flag, backend = (("--prefill-attention-backend", args.prefill_attention_backend)
+                         if args.prefill_attention_backend else
+                         ("--attention-backend", args.attention_backend))
+        if backend not in BLOCK_SPARSE_ATTENTION_BACKENDS:
+            raise UniPrefillConfigError(
+                f"--uniprefill-block-sparse-density / --uniprefill-block-sparse-top-p: the "
+                f"prefill attention backend {backend} ({flag}) has no block-sparse path; use "
+                f"--attention-backend {' or '.join(BLOCK_SPARSE_ATTENTION_BACKENDS)}")
+        if args.kv_cache_dtype not in ("auto", "bf16", "bfloat16"):
+            raise UniPrefillConfigError(
+                "--uniprefill-block-sparse-density / --uniprefill-block-sparse-top-p need the "
+                f"KV cache in the model's dtype, got --kv-cache-dtype {args.kv_cache_dtype}")
 
     def _check_uniprefill_model(self, facts: Optional[ModelFacts], resolved):
         """Check the drop layers against the model, when its config could be read (the model

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from uniprefill_sglang.backends import block_sparse
 from uniprefill_sglang.backends.common import (StageViewAdapter, needs_view, row_piece,
                                                sliding_window)
 from uniprefill_sglang.context import drop_context
@@ -71,6 +72,10 @@ def _masked_sdpa(q, k, v, mask, layer):
 
 
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kw):
+    sparse = block_sparse.extend_attention(backend.token_to_kv_pool, q, k, v, layer,
+                                           forward_batch, save_kv_cache)
+    if sparse is not None:
+        return sparse
     ctx, runtime = drop_context(forward_batch), get_runtime()
     if not (ctx is not None and ctx.is_extend and needs_view(ctx, runtime, layer)):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kw)

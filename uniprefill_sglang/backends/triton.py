@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from uniprefill_sglang.backends import block_sparse
 from uniprefill_sglang.backends.common import (
     StageViewAdapter,
     active_runtime,
@@ -137,6 +138,10 @@ def _extend_view(backend, runtime, ctx, stage: int):
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `TritonAttnBackend.forward_extend`."""
+    sparse = block_sparse.extend_attention(backend.token_to_kv_pool, q, k, v, layer,
+                                           forward_batch, save_kv_cache)
+    if sparse is not None:
+        return sparse
     runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)

@@ -1,0 +1,117 @@
+"""The serving side of block-sparse attention (uniprefill_sglang/backends/block_sparse.py), without
+an engine: one request's attention and its tally against the kernels' float64 reference on fresh
+random inputs, and the forward's plan. The engine test is test_engine_block_sparse.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from uniprefill_sglang.backends import block_sparse
+from uniprefill_sglang.config import build_config
+from uniprefill_sglang.kernels import (block_density, block_mask_reference,
+                                       block_sparse_attention_reference)
+from uniprefill_sglang.kernels.block_sparse_reference import causal_block_pairs
+from uniprefill_sglang.request_plan import BatchPlan, RequestDecision
+
+SEEDS = [0, 1, 2]
+# (queries, keys, query heads, kv heads, block size): a whole prompt, a chunk after a prefix
+# (starting mid-block), a chunk shorter than a block, partial last blocks.
+SHAPES = [(128, 128, 4, 2, 16), (70, 200, 6, 3, 16), (5, 99, 4, 1, 32), (64, 64, 2, 2, 64)]
+
+
+def _qkv(seed, n_q, n_k, hq, hkv, d=16, dv=8):
+    g = torch.Generator().manual_seed(seed)
+    q = 2.0 * torch.randn(n_q, hq, d, generator=g)
+    return q, torch.randn(n_k, hkv, d, generator=g), torch.randn(n_k, hkv, dv, generator=g)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rule", [("density", 0.3), ("top_p", 0.8), ("density", 1.0)])
+def test_attend_is_the_reference_over_the_estimated_mask(seed, shape, rule):
+    n_q, n_k, hq, hkv, bs = shape
+    q, k, v = _qkv(seed, n_q, n_k, hq, hkv)
+    out, kept, causal = block_sparse.attend(q, k, v, rule, bs, 0.25, path="reference")
+    mask = block_mask_reference(q, k, bs, **{rule[0]: rule[1]}, sink_blocks=1, local_blocks=1,
+                                sm_scale=0.25)
+    want = block_sparse_attention_reference(q, k, v, mask, bs, 0.25)
+    assert out.dtype == q.dtype and out.shape == (n_q, hq, v.shape[2])
+    assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert int(kept) / causal == pytest.approx(block_density(mask, n_q, n_k, bs))
+    if rule == ("density", 1.0):
+        assert int(kept) == causal
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attend_without_a_rule_is_causal_attention(seed, shape):
+    n_q, n_k, hq, hkv, bs = shape
+    q, k, v = _qkv(seed, n_q, n_k, hq, hkv)
+    out, kept, causal = block_sparse.attend(q, k, v, None, bs, 0.25, path="reference")
+    # every key at or before each query, written out
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(hq // hkv, 1))
+    seen = torch.arange(n_k)[None, :] <= (n_k - n_q + torch.arange(n_q))[:, None]
+    probs = torch.softmax((0.25 * logits).masked_fill(~seen, float("-inf")), -1)
+    want = torch.einsum("hqk,khd->qhd", probs, v.double().repeat_interleave(hq // hkv, 1))
+    assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert int(kept) == causal == int(causal_block_pairs(n_q, n_k, bs).sum())
+
+
+@pytest.mark.parametrize("n_q, n_k, bs", [(1, 1, 16), (16, 16, 16), (17, 300, 16), (0, 40, 16),
+                                          (100, 1000, 64), (64, 65, 64)])
+def test_causal_pairs_counts_the_reference_grid(n_q, n_k, bs):
+    assert block_sparse.causal_pairs(n_q, n_k, bs) == int(causal_block_pairs(n_q, n_k, bs).sum())
+
+
+def _ctx(decisions, fixed_lens, lens):
+    notes = {}
+    return types.SimpleNamespace(plan=BatchPlan(decisions), fixed_lens=fixed_lens, lens=lens,
+                                 note=lambda b, why: notes.__setitem__(b, why), notes=notes)
+
+
+def _runtime(config, chunks=None, backend="TorchNativeAttnBackend"):
+    return types.SimpleNamespace(config=config, block_sparse_chunks=chunks or {},
+                                 prefill_backend=backend)
+
+
+def _decision(rid, block_sparse=("density", 0.3), final_chunk=True, reason=None):
+    return RequestDecision(True, (0.99,), (), reason, rid=rid, final_chunk=final_chunk,
+                           block_sparse=block_sparse)
+
+
+def test_plan_keeps_short_sequences_and_decode_rows_dense_and_carries_chunks():
+    config = build_config(top_p=None, keep_ratio=None, block_size=64, sink_tokens=128,
+                          last_queries=128, drop_layers=None, min_prompt_tokens=0,
+                          block_sparse_density=0.3, block_sparse_min_tokens=256)
+    runtime = _runtime(config, {"c": (30.0, 100)})
+    decisions = [_decision("a"), _decision("b"), _decision("c"), _decision("d", None),
+                 _decision("e", reason="decode")]
+    ctx = _ctx(decisions, fixed_lens=[0, 200, 300, 0, 500], lens=[300, 50, 10, 400, 1])
+    step = block_sparse.plan_step(runtime, ctx)
+    assert step.rules == [("density", 0.3), None, ("density", 0.3), None, None]
+    assert step.asked == [True, True, True, False, False]
+    assert runtime.block_sparse_chunks == {}  # the earlier chunks' tally moved to the step
+    step.tally(2, torch.tensor(10), 100)
+    step.tally(2, torch.tensor(20), 100)
+    assert step.entry(2, decisions[2]) == {"block_sparse_density": pytest.approx(60 / 300)}
+    assert step.entry(1, decisions[1]) == {"block_sparse_density": 1.0}  # none ran sparse
+    assert step.entry(3, decisions[3]) == {}
+    # a chunk before its prompt's last hands its tally on
+    step.tally(0, torch.tensor(7), 10)
+    step.entry(0, _decision("a", final_chunk=False))
+    assert runtime.block_sparse_chunks == {"a": (7.0, 10)}
+    assert block_sparse.plan_step(runtime, _ctx([_decision("x", None)], [0], [500])) is None
+
+
+def test_plan_on_a_backend_without_a_path_attends_densely_and_says_why():
+    config = build_config(top_p=None, keep_ratio=None, block_size=64, sink_tokens=128,
+                          last_queries=128, drop_layers=None, min_prompt_tokens=0)
+    runtime = _runtime(config, backend="FlashInferAttnBackend")
+    ctx = _ctx([_decision("a")], [0], [5000])
+    step = block_sparse.plan_step(runtime, ctx)
+    assert step.rules == [None] and step.asked == [True]
+    assert "FlashInferAttnBackend has no block-sparse path" in ctx.notes[0]
+    assert step.entry(0, _decision("a")) == {"block_sparse_density": 1.0}
