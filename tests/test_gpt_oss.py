@@ -7,7 +7,9 @@ SGLang serves gpt-oss with the triton, fa3, trtllm_mha (and a few vendor) backen
 the Triton kernels run interpreted. SGLang's gpt-oss defaults pick the `triton_kernel` MoE
 runner wherever the triton_kernels package imports; on the CPU its weight loading fails (the
 experts' weights are laid out for it, but the CPU loader skips its transpose), so the engine
-asks for the `triton` MoE runner, which on the CPU runs SGLang's torch MoE path.
+asks for the `triton` MoE runner, which on the CPU runs SGLang's torch MoE path. It also
+turns SGLang's separate sliding-window KV pool off (`disable_hybrid_swa_memory`), which the
+Triton adapter does not serve (a drop there re-runs the step dense, saying so).
 
 UniPrefill drops at the full-attention layer 1: the sliding-window layer 2 attends to the
 survivors within its window in original positions (`kernels.positional_attention`, with the
@@ -48,6 +50,9 @@ CONFIG = dict(
     eos_token_id=2)
 ENGINE = dict(skip_tokenizer_init=True, context_length=1024, max_total_tokens=2048,
               log_level="warning", attention_backend="triton", moe_runner_backend="triton",
+              # one KV pool for every layer: the Triton adapter serves no separate
+              # sliding-window pool (SGLang gives gpt-oss one by default)
+              disable_hybrid_swa_memory=True,
               # one split per sequence keeps the interpreted decode kernel quick
               triton_attention_num_kv_splits=1,
               enable_uniprefill=True, uniprefill_drop_layers="1", uniprefill_block_size=16,
@@ -75,6 +80,7 @@ def runs(tmp_path_factory):
             flush_cache(engine)  # each request prefills the whole prompt
             out[name] = engine.generate(input_ids=PROMPT,
                                         sampling_params=dict(GREEDY, custom_params=custom))
+        flush_cache(engine)  # the radix cache lets go of the last request's slots
         out["state"] = idle_state(engine)
     finally:
         engine.shutdown()
