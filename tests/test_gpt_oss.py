@@ -116,4 +116,3 @@ def test_nothing_left_behind(runs):
     assert state["parked_requests"] == 0 and state["private_prefix_slots"] == 0
     assert state["free_req_slots"] == state["req_slots"]
     assert state["available_kv_tokens"] == state["max_total_num_tokens"]
-    assert state["kv_pool_problems"] == []
