@@ -5,7 +5,7 @@ Public API (installed as ``uniprefill_sglang.kernels``):
 * ``score_tokens(q, q_pos, q_indptr, k_cache, k_slots, k_pos, k_indptr, sm_scale, max_q=None, max_k=None, out=None)``
 * ``select_tokens(scores, k_pos, k_indptr, cand_start, block_size, top_p, keep_ratio, sink_tokens, last_window)``
   and ``select_token_mask(...)`` (the same arguments; the kept candidates as a mask, no host sync)
-* ``positional_attention(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices, kv_pos, sm_scale, window=-1, logit_cap=0.0, max_q_len=None, out=None)``
+* ``positional_attention(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices, kv_pos, sm_scale, window=-1, logit_cap=0.0, max_q_len=None, out=None, sinks=None)``
   (the Triton launcher, ``positional_triton.positional_attention_triton``, reads no device
   tensor on the host: it can be captured in a CUDA graph; the float64 reference is
   ``positional_reference.positional_attention_reference``)
@@ -207,6 +207,7 @@ def positional_attention(
     out: Optional[torch.Tensor] = None,
     kv_sorted: bool = False,
     path: Optional[str] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of each request's queries over its keys, masked by original positions.
 
@@ -225,6 +226,8 @@ def positional_attention(
     out:        optional preallocated [Nq, Hq, Dv] output in q's dtype.
     kv_sorted:  a promise that each request's kv_pos ascend: the Triton path then visits only
                 the keys a query tile may see (the answer is the same).
+    sinks:      optional [Hq] attention-sink logits (gpt-oss): each joins its head's softmax
+                denominator, unscaled, with no value.
     path:       None, "triton" or "reference" (the module's docstring).
     Returns [Nq, Hq, Dv] in q's dtype; a row with no visible key is zero.
     """
@@ -235,9 +238,9 @@ def positional_attention(
             max_q_len = int((q_indptr[1:] - q_indptr[:-1]).max().item()) if q_indptr.numel() > 1 else 0
         return positional_attention_triton(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
                                            kv_pos, sm_scale, window, logit_cap, max_q_len=max_q_len,
-                                           out=out, kv_sorted=kv_sorted)
+                                           out=out, kv_sorted=kv_sorted, sinks=sinks)
     res = positional_attention_reference(q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices,
-                                         kv_pos, sm_scale, window, logit_cap)
+                                         kv_pos, sm_scale, window, logit_cap, sinks=sinks)
     if out is not None:
         out.copy_(res)
         return out

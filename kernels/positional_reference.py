@@ -9,6 +9,10 @@ sequence, never on the entries' order or count:
 
 ``window`` counts original positions, as SGLang's ``sliding_window_size`` does (a Hugging Face
 ``sliding_window`` of W is ``window = W - 1``).  ``window < 0`` is a full causal layer.
+
+``sinks`` (gpt-oss's learned attention sinks): one logit per query head that joins every row's
+softmax denominator and contributes no value, so a row's weights over its keys sum to less than
+one: softmax over [logits, sink], the sink's column left out.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def positional_attention_reference(
     sm_scale: float,
     window: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's queries over its own keys, in float64, one request at a time.
 
@@ -42,6 +47,7 @@ def positional_attention_reference(
     sm_scale:   logits = (q . k) * sm_scale.
     window:     see the module docstring; < 0 for no window.
     logit_cap:  > 0: logits = logit_cap * tanh(logits / logit_cap) before the softmax.
+    sinks:      optional [Hq] sink logits (not scaled by sm_scale), see the module docstring.
     Returns [Nq, Hq, Dv] in q's dtype.  A row with no visible key, and a row no request owns,
     is zero.
     """
@@ -76,9 +82,15 @@ def positional_attention_reference(
             logits = logit_cap * torch.tanh(logits / logit_cap)
         logits = logits.masked_fill(~visible, float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True)
+        if sinks is not None:
+            sink = sinks.to(device=q.device, dtype=f64).view(hq, 1, 1)
+            row_max = torch.maximum(row_max, sink)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         weights = torch.exp(logits - row_max)  # masked entries: exp(-inf) = 0
         mass = weights.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            # a row that sees no key keeps zero weights (the sink alone has no value)
+            mass = mass + torch.exp(sink - row_max)
         weights = weights / torch.where(mass > 0, mass, torch.ones_like(mass))
         out[q0:q1] = torch.matmul(weights, values).transpose(0, 1)
     return out.to(q.dtype)

@@ -14,7 +14,8 @@ contents change.  A tile of keys none of which a tile's rows may see (beyond the
 after every query) skips its loads and products.  With ``kv_sorted`` (each request's keys in
 ascending position, as the plugin's views list them) the loop does not visit such tiles at all:
 two binary searches bound it to the keys from the tile's first row's window start to its last
-row, so a sliding-window layer costs the window, not the prompt.
+row, so a sliding-window layer costs the window, not the prompt.  Sink logits (one per query
+head, gpt-oss) join each row's denominator after the loop, with no value.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _lower_bound(Pos, lo, hi, target):
 
 @triton.jit
 def _positional_attention_kernel(
-    Q, QPos, QIndptr, K, V, KVIndptr, KVIndices, KVPos, Out,
+    Q, QPos, QIndptr, K, V, KVIndptr, KVIndices, KVPos, Sinks, Out,
     stride_qn, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -51,7 +52,7 @@ def _positional_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, KV_SORTED: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HAS_SINK: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -126,7 +127,15 @@ def _positional_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
 
-    # a row that saw no key has l = 0 and acc = 0: it is written as zeros
+    if HAS_SINK:
+        # the head's sink logit joins the denominator (base 2, like the running max); a row
+        # that saw no key keeps acc = 0
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+    # a row that saw no key has l = 0 (without a sink) and acc = 0: it is written as zeros
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if ROUND_BF16:
         # the interpreter narrows fp32 to bf16 by truncation: pre-round to nearest even
@@ -164,6 +173,7 @@ def positional_attention_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     kv_sorted: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Triton implementation of ``positional_attention`` (see kernels/__init__.py).
 
@@ -172,6 +182,7 @@ def positional_attention_triton(
                left as they are (zeros when the output is allocated here).
     block_m, block_n, num_warps, num_stages: tiling knobs for tests and tuning.
     kv_sorted: each request's kv_pos ascend; the loop then visits only the key tiles in reach.
+    sinks:     optional [Hq] sink logits (any float dtype), read as float32.
     No host read of a device tensor: safe to capture in a CUDA graph.
     """
     assert q.dim() == 3 and k_buffer.dim() == 3 and v_buffer.dim() == 3, (
@@ -196,6 +207,9 @@ def positional_attention_triton(
     if nreq <= 0 or nq == 0 or max_q_len <= 0:
         return out
 
+    if sinks is not None:
+        assert sinks.numel() == hq, (sinks.shape, q.shape)
+        sinks = sinks.contiguous()
     q_pos = q_pos.contiguous()
     q_indptr = q_indptr.contiguous()
     kv_indptr = kv_indptr.contiguous()
@@ -215,7 +229,8 @@ def positional_attention_triton(
     grid = (nreq, hq, triton.cdiv(max_q_len, block_m))
     extra = dict(num_warps=num_warps, num_stages=num_stages) if on_gpu else {}
     _positional_attention_kernel[grid](
-        q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices, kv_pos, out,
+        q, q_pos, q_indptr, k_buffer, v_buffer, kv_indptr, kv_indices, kv_pos,
+        sinks if sinks is not None else q_pos, out,  # any pointer when there is no sink
         q.stride(0), q.stride(1), q.stride(2),
         k_buffer.stride(0), k_buffer.stride(1), k_buffer.stride(2),
         v_buffer.stride(0), v_buffer.stride(1), v_buffer.stride(2),
@@ -224,7 +239,8 @@ def positional_attention_triton(
         GROUP=hq // hkv, D=d, DV=dv,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_WINDOW=window >= 0, USE_CAP=use_cap, KV_SORTED=bool(kv_sorted), UPCAST=upcast, PREC=prec,
+        USE_WINDOW=window >= 0, USE_CAP=use_cap, KV_SORTED=bool(kv_sorted),
+        HAS_SINK=sinks is not None, UPCAST=upcast, PREC=prec,
         ROUND_BF16=INTERPRETED and out.dtype == torch.bfloat16,
         **extra,
     )

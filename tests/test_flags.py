@@ -122,6 +122,23 @@ def test_gemma3_drops_at_its_global_layers_from_60_percent_depth():
                            ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES)
 
 
+def test_gpt_oss_drops_at_full_attention_layers_by_the_scaled_llama_rule():
+    default = build_config(**DEFAULTS)
+    # gpt-oss-20b: 24 layers, full attention at the odd ones; the Llama rule scaled to 24
+    # layers (5, 8, 11, 14, 17, 20), each moved on to the next full-attention layer.
+    kinds = ("sliding_attention", "full_attention") * 12
+    assert validate_for_model(default, ["GptOssForCausalLM"], 24,
+                              layer_types=kinds) == (5, 9, 11, 15, 17, 21)
+    # gpt-oss-120b: 36 layers.
+    assert validate_for_model(default, ["GptOssForCausalLM"], 36,
+                              layer_types=("sliding_attention", "full_attention") * 18
+                              ) == (9, 13, 17, 21, 27, 31)
+    assert unsupported_architecture_reason(["GptOssForCausalLM"], kinds, ["triton"]) is None
+    with pytest.raises(UniPrefillConfigError, match="not a full-attention layer"):
+        validate_for_model(build_config(**{**DEFAULTS, "drop_layers": "4"}),
+                           ["GptOssForCausalLM"], 24, layer_types=kinds)
+
+
 def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():
     from types import SimpleNamespace
 

@@ -186,3 +186,41 @@ def test_moe_block_prices_the_router_active_experts_and_shared_expert(family):
     n, kept = rng.randrange(200, 400), rng.randrange(20, 100)
     assert prefill_flops([n, kept], (0,), no_attention) == 2 * want * kept * 2
     assert prefill_flops([n], (), no_attention) == 2 * want * n * 2
+
+
+def test_gpt_oss_prices_its_router_active_experts_and_windows():
+    """gpt-oss's MoE block per token is its router and top-k experts (biases left out, as
+    everywhere), on fresh random sizes, against the weights of the block transformers builds;
+    its layers alternate sliding-window and full attention. At the gpt-oss-20b shape the
+    per-token weights, with one embedding matrix, are the 3.6B active parameters its model
+    card states."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    rng = random.Random()
+    h, width = rng.choice((32, 48, 64)), rng.randrange(8, 40)
+    num_experts, top_k = rng.randrange(4, 9), rng.randrange(1, 4)
+    cfg = transformers.AutoConfig.for_model(
+        "gpt_oss", vocab_size=64, hidden_size=h, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=width,
+        num_local_experts=num_experts, num_experts_per_tok=top_k, sliding_window=8)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    block = model.model.layers[0].mlp
+
+    def weights(module):
+        return sum(p.numel() for name, p in module.named_parameters() if "bias" not in name)
+
+    want = weights(block.router) + top_k * weights(block.experts) // num_experts
+    shape = FlopShape.from_config(cfg)
+    assert shape.mlp_params == want
+    assert FlopShape.from_config(cfg.to_dict()).mlp_params == want
+    assert shape.layer_kinds == (SLIDING_ATTENTION, FULL_ATTENTION) * 2
+    assert shape.sliding_window == 8
+    # gpt-oss-20b (its config.json's sizes)
+    big = FlopShape.from_config(dict(
+        hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_hidden_layers=24, intermediate_size=2880, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12))
+    active = 24 * (big.attention_params + big.mlp_params) + 201088 * 2880
+    assert abs(active / 3.61e9 - 1) < 0.01, active

@@ -10,6 +10,7 @@ checked once against a dense masked softmax).  Output buffers are NaN-poisoned.
 """
 
 import functools
+import random
 import importlib
 
 import pytest
@@ -279,3 +280,75 @@ def test_sorted_keys_bound_the_loop_to_the_window(window):
     broken = mod.positional_attention_triton(**shuffled, window=window, max_q_len=90,
                                              kv_sorted=True, block_m=16, block_n=16)
     assert rel_err(broken, oracle(shuffled, window=window)) > 100 * BOUND[FP32]
+
+
+# ---------------------------------------------------------------------------
+# attention sinks (gpt-oss): a logit per query head in every row's softmax denominator
+# ---------------------------------------------------------------------------
+
+
+def _fresh_seed() -> int:
+    """A seed drawn anew each run (printed, and named in every failure message)."""
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed {seed}")
+    return seed
+
+
+def _sinks(seed, hq, scale):
+    return torch.randn(hq, generator=torch.Generator().manual_seed(seed + 1)) * scale
+
+
+@pytest.mark.parametrize("window", [-1, 4])
+def test_reference_sinks_match_softmax_with_a_sink_column(window):
+    """The reference with sinks against attention written out with the sink as one more
+    logit column per head (softmax over [logits, sink], the sink's column then left out)."""
+    seed = _fresh_seed()
+    case = make_case(seed, [(9, 4), (0, 6), (20, 1)], 4, 2, 16, dv=12, dtype=FP32, q_scale=3.0,
+                     shuffle_keys=True)
+    sinks = _sinks(seed, 4, 3.0)
+    ref = oracle(case, window=window, sinks=sinks)
+    qi, ki = case["q_indptr"].tolist(), case["kv_indptr"].tolist()
+    slots = case["kv_indices"].long()
+    want = torch.empty_like(ref)
+    for b in range(len(qi) - 1):
+        qp = case["q_pos"][qi[b]:qi[b + 1]].long()
+        kp = case["kv_pos"][ki[b]:ki[b + 1]].long()
+        mask = visible_mask(qp, kp, window)
+        keys = case["k_buffer"].double()[slots[ki[b]:ki[b + 1]]]
+        values = case["v_buffer"].double()[slots[ki[b]:ki[b + 1]]]
+        for h in range(4):
+            s = case["q"].double()[qi[b]:qi[b + 1], h] @ keys[:, h // 2].T * case["sm_scale"]
+            s = s.masked_fill(~mask, float("-inf"))
+            with_sink = torch.cat([s, sinks[h].double().expand(s.shape[0], 1)], dim=1)
+            want[qi[b]:qi[b + 1], h] = torch.softmax(with_sink, dim=1)[:, :-1] @ values[:, h // 2]
+    assert torch.allclose(ref, want, rtol=1e-12, atol=1e-12), seed
+    # the sinks take mass: without them the answer differs
+    assert rel_err(oracle(case, window=window), ref) > 1e-3, seed
+
+
+@pytest.mark.parametrize("dtype,window,sink_scale", [
+    (BF16, -1, 2.0), (BF16, 7, 2.0), (FP32, 7, 20.0),  # sinks far above every logit
+    (FP32, -1, 2.0), (FP16, 1000, 2.0)])
+def test_sinks_match_reference(dtype, window, sink_scale):
+    """The kernel with sinks, on fresh random inputs, against the float64 reference; keys in
+    any order and in position order (the bounded loop)."""
+    seed = _fresh_seed()
+    case = make_case(seed, REQS, 4, 2, 64, dtype=dtype, q_scale=1.5)
+    sinks = _sinks(seed, 4, sink_scale).to(dtype)
+    ref = oracle(case, window=window, sinks=sinks)
+    for sorted_keys in (False, True):
+        err = rel_err(run_kernel(case, window=window, sinks=sinks, kv_sorted=sorted_keys), ref)
+        assert err < BOUND[dtype], (seed, sorted_keys, err)
+    # a kernel that left the sinks out would fail the comparison above
+    assert rel_err(oracle(case, window=window), ref) > 10 * BOUND[dtype], seed
+
+
+def test_rows_without_visible_keys_stay_zero_with_sinks():
+    case = make_case(8, [(20, 8), (0, 2)], 4, 2, 64, dtype=FP32)
+    qi, ki = case["q_indptr"].tolist(), case["kv_indptr"].tolist()
+    case["kv_pos"][ki[0]:ki[1]] += 1000  # request 0's rows come before all its keys
+    case["kv_indptr"][2] = case["kv_indptr"][1]  # request 1: no keys
+    sinks = torch.tensor([3.0, -3.0, 0.0, 30.0])
+    got = run_kernel(case, sinks=sinks)
+    assert (got == 0).all()
+    assert (oracle(case, sinks=sinks) == 0).all()

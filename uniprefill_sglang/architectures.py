@@ -83,6 +83,17 @@ def full_layers_from_depth(fraction: float) -> Callable[[int, Sequence[int]], tu
     return rule
 
 
+def scaled_reference_full_layers(num_layers: int, full_layers: Sequence[int]) -> tuple:
+    """The reference schedule scaled to `num_layers`, each layer moved on to the first
+    full-attention layer at or after it (drops happen there only), except the last layer.
+    gpt-oss-20b (24 layers, full attention at the odd ones): 5, 8, 11, 14, 17, 20 become
+    5, 9, 11, 15, 17, 21."""
+    full = sorted(full_layers)
+    moved = {next((f for f in full if f >= l), None)
+             for l in scaled_reference_layers(num_layers)}
+    return tuple(sorted(l for l in moved if l is not None and l < num_layers - 1))
+
+
 def full_layers_from_layer(first: int, of_depth: int) -> Callable[[int, Sequence[int]], tuple]:
     """Drop at every full-attention layer from layer `first` of a `of_depth`-layer model on
     (scaled to other depths), except the last layer."""
@@ -126,6 +137,17 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     Architecture(frozenset({"Gemma3ForCausalLM"}), GEMMA3,
                  layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
                  default_drop_layers=full_layers_from_depth(0.6), top_p=0.975),
+    # gpt-oss: sliding-window (128) and full-attention layers alternating, learned attention
+    # sinks (a logit per head in every softmax's denominator), a mixture of experts on the
+    # Llama pattern. Drops at full-attention layers; the sliding-window layers after a drop
+    # attend to the survivors within their window in original positions (as Gemma 3's), the
+    # MoE blocks run over the survivors, and every attention after a drop keeps the sinks in its
+    # softmax. The paper has no gpt-oss run: the default is the Llama rule scaled by depth,
+    # each layer moved on to the next full-attention layer (gpt-oss-20b, 24 layers:
+    # 5, 9, 11, 15, 17, 21); not measured.
+    Architecture(frozenset({"GptOssForCausalLM"}), LLAMA,
+                 layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
+                 default_drop_layers=scaled_reference_full_layers),
     # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, each called as
     # layer(positions=..., hidden_states=..., residual=..., forward_batch=...), its attention
     # output added to the residual stream by post_attention_layernorm. After a drop the linear

@@ -397,19 +397,20 @@ def _check_keys_ascend(kv_indptr: torch.Tensor, kv_pos: torch.Tensor) -> None:
 
 
 def window_extend_attention(runtime, pool, req_to_token, layer, q, ctx, stage: int,
-                            window: int):
+                            window: int, sinks=None):
     """A sliding-window layer of `stage` in an extend: the rows it runs now (`row_piece`) over
     `window_extend_keys`."""
     piece = row_piece(ctx)
     keys = window_extend_keys(runtime, req_to_token, ctx, stage)
     return window_attention(pool, layer, q, ctx.positions[piece.rows], keys, window,
-                            max(piece.lens))
+                            max(piece.lens), sinks=sinks)
 
 
-def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):
+def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int, sinks=None):
     """A sliding-window layer's attention over `keys` (window_extend_keys' tuple, or a decode
     step's window lists with a one-row-per-request qo_indptr), masked by original positions.
-    Rows of q past `q_pos` (the prefill graph's padding) stay zero."""
+    Rows of q past `q_pos` (the prefill graph's padding) stay zero. `sinks`: the layer's
+    attention-sink logits per query head (gpt-oss), in every row's softmax denominator."""
     qo_indptr, kv_indptr, kv_indices, kv_pos = keys
     q = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     rows = q_pos.shape[0]
@@ -420,5 +421,5 @@ def window_attention(pool, layer, q, q_pos, keys, window: int, max_q_len: int):
         kv_indptr, kv_indices, kv_pos, layer.scaling, window=window,
         logit_cap=layer.logit_cap, max_q_len=max_q_len, out=out[:rows],
         kv_sorted=True,  # prefix then current rows, each in sequence order
-        path=environ.kernel_path())
+        path=environ.kernel_path(), sinks=sinks)
     return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

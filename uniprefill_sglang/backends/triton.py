@@ -14,7 +14,9 @@ invariant):
 * Extend on a sliding-window layer (Gemma 3's local layers): upstream's kernel counts the
   window in KV entries, which is wrong once entries are missing, so the layer runs
   `kernels.positional_attention` over each request's valid prefix and current rows, masked by
-  their original positions (a query at p sees the keys at p - window .. p).
+  their original positions (a query at p sees the keys at p - window .. p), with the layer's
+  attention-sink logits (gpt-oss) where it has them; a full-attention layer passes its sinks
+  on to upstream's kernel with the view.
 * Decode: for a batch holding a request with sparse KV (any batch under the staged KV layout,
   where later stages address their own pools), per-stage kv_indptr / kv_indices /
   num_kv_splits; `forward_decode` swaps them into the metadata for the layers of that stage.
@@ -160,7 +162,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     window = sliding_window(layer)
     if window is not None:
         return window_extend_attention(runtime, backend.token_to_kv_pool, backend.req_to_token,
-                                       layer, q, ctx, stage, window)
+                                       layer, q, ctx, stage, window, sinks=kwargs.get("sinks"))
     meta = backend.forward_metadata
     saved = (meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len)
     meta.kv_indptr, meta.kv_indices, meta.qo_indptr, meta.max_extend_len = (
