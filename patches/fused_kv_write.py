@@ -1,6 +1,6 @@
 """Hook: `enable_fused_set_kv_buffer` as the MoE models that call it see it (AROUND).
 
-Why: on CUDA, SGLang's Qwen3-MoE writes a layer's K and V into the KV pool inside its rotary
+Why: on CUDA, SGLang's Qwen3-MoE (and gpt-oss) writes a layer's K and V into the KV pool inside its rotary
 kernel (`create_fused_set_kv_buffer_arg`: the pool's buffers at `forward_batch.out_cache_loc`)
 and then tells the attention backend not to save them. After a drop the layer holds the
 survivors' rows (and, at a rejoin, the parked rows of earlier chunks), whose slots are the drop
@@ -13,7 +13,7 @@ does for every other model; before the first drop it stays on.
 from uniprefill_sglang.patches.hook_table import Hook
 
 # The model modules whose attention reads the switch by this name (each module's own binding).
-MODEL_MODULES = ("sglang.srt.models.qwen3_moe",)
+MODEL_MODULES = ("sglang.srt.models.qwen3_moe", "sglang.srt.models.gpt_oss")
 
 
 def _not_after_a_drop(original, forward_batch, *args, **kwargs):
