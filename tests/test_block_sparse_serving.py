@@ -115,3 +115,20 @@ def test_plan_on_a_backend_without_a_path_attends_densely_and_says_why():
     assert step.rules == [None] and step.asked == [True]
     assert "FlashInferAttnBackend has no block-sparse path" in ctx.notes[0]
     assert step.entry(0, _decision("a")) == {"block_sparse_density": 1.0}
+
+
+def test_a_failed_block_sparse_forward_is_ours_and_its_dense_rerun_attends_densely():
+    """A forward that planned block-sparse attention and raised is UniPrefill's to recover
+    (patches/model_runner.py), and the plan it re-runs with has no block-sparse rule left."""
+    from uniprefill_sglang.patches.model_runner import _uniprefill_acted
+
+    plan = BatchPlan([_decision("a"), _decision("b", None)])
+    ctx = types.SimpleNamespace(acts=False, sparse=None, plan=plan)
+    assert _uniprefill_acted(ctx)
+    dense = plan.all_dense("UniPrefill error, re-prefilled dense: x")
+    assert [d.block_sparse for d in dense.decisions] == [None, None]
+    assert not _uniprefill_acted(types.SimpleNamespace(acts=False, sparse=None, plan=dense))
+    assert not block_sparse.plan_step(_runtime(build_config(
+        top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
+        drop_layers=None, min_prompt_tokens=0, block_sparse_density=0.3)),
+        _ctx(dense.decisions, [0, 0], [4096, 4096]))

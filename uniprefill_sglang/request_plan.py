@@ -82,12 +82,12 @@ class BatchPlan:
     decisions: List[RequestDecision]
 
     def all_dense(self, reason: str, restore: bool = False) -> "BatchPlan":
-        """The same batch with every request dense (a forward that failed runs again).
-        `restore`: a cached prefix lacking tokens past the first drop gets them back, as a
-        request that asked for no drop does under verify / reselect (parked rows of earlier
-        chunks rejoin whole in any dense step: runtime.py)."""
+        """The same batch with every request dense (a forward that failed runs again), its
+        attention too (no block-sparse rule). `restore`: a cached prefix lacking tokens past the
+        first drop gets them back, as a request that asked for no drop does under verify /
+        reselect (parked rows of earlier chunks rejoin whole in any dense step: runtime.py)."""
         return BatchPlan([dataclasses.replace(
-            d, enabled=False, park=False,
+            d, enabled=False, park=False, block_sparse=None,
             restore_prefix=restore and d.cached_len > 0 and d.prefix_policy in RESTORES_DENSE,
             reason=d.reason if d.reason == "decode" else reason)
             for d in self.decisions])
