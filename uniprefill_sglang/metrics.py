@@ -14,10 +14,14 @@ multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before any pr
   aborted, before its prefill ran).
 * ``sglang:uniprefill_kept_fraction``: histogram of the fraction of the prefill's tokens still
   kept after the last drop (last stage's kept tokens over the first stage's), for ``dropped``.
+
+Each scheduler rank also keeps `RuntimeStats`, counters of its forwards, which the scheduler's
+internal state reports (patches/scheduler.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Optional
 
 DROPPED, DENSE, NO_PREFILL = "dropped", "dense", "no_prefill"
@@ -77,3 +81,25 @@ class UniPrefillMetrics:
         if fraction is not None:
             self.kept_fraction.labels(**self.labels).observe(fraction)
         return outcome, reason, fraction
+
+
+@dataclasses.dataclass
+class RuntimeStats:
+    """What the forwards so far did, as the scheduler's internal state reports it
+    (patches/scheduler.py), each counter named as it is reported there."""
+    # Prefill forwards that carried decode rows.
+    mixed_forwards: int = 0
+    # MLP and linear-attention mixer calls run in pieces (model_integration.py).
+    pieced_mlp_calls: int = 0
+    pieced_mixer_calls: int = 0
+    # Prompt tokens that reached a drop with UniPrefill on, and how many were left after the
+    # last drop.
+    scored_tokens: int = 0
+    kept_tokens: int = 0
+    # Attention-view buffers an adapter made in a request's path after start-up made them.
+    views_allocated_late: int = 0
+    # Decode steps run eagerly because a batch's per-stage lists outgrew the decode graph's
+    # (patches/cuda_graphs.py).
+    eager_decode_overflows: int = 0
+    # The latest rejoin (parking.rejoin_record).
+    last_rejoin: Optional[dict] = None

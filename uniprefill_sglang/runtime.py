@@ -13,7 +13,6 @@ back what a failed forward changed (abandon_forward).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Optional
 
@@ -23,6 +22,7 @@ from uniprefill_sglang import environ
 from uniprefill_sglang.config import UniPrefillConfig
 from uniprefill_sglang.context import DropContext
 from uniprefill_sglang.kv_validity import KVGaps, LayerStages, RequestStageKV, SlotStages
+from uniprefill_sglang.metrics import RuntimeStats
 from uniprefill_sglang.parking import ParkingLot, rejoin_record, start_peak_measure
 from uniprefill_sglang.prefix_reuse import PrefixReuse
 from uniprefill_sglang.prefix_checkpoint import PrefixCheckpoint
@@ -47,28 +47,6 @@ def _kv_rows(pool, layer_id: int) -> int:
     if mapping and layer_id not in mapping:
         layer_id = next(iter(mapping))
     return pool.get_key_buffer(layer_id).shape[0]
-
-
-@dataclasses.dataclass
-class RuntimeStats:
-    """What the forwards so far did, as the scheduler's internal state reports it
-    (patches/scheduler.py), each counter named as it is reported there."""
-    # Prefill forwards that carried decode rows.
-    mixed_forwards: int = 0
-    # MLP and linear-attention mixer calls run in pieces (model_integration.py).
-    pieced_mlp_calls: int = 0
-    pieced_mixer_calls: int = 0
-    # Prompt tokens that reached a drop with UniPrefill on, and how many were left after the
-    # last drop.
-    scored_tokens: int = 0
-    kept_tokens: int = 0
-    # Attention-view buffers an adapter made in a request's path after start-up made them.
-    views_allocated_late: int = 0
-    # Decode steps run eagerly because a batch's per-stage lists outgrew the decode graph's
-    # (patches/cuda_graphs.py).
-    eager_decode_overflows: int = 0
-    # The latest rejoin (parking.rejoin_record).
-    last_rejoin: Optional[dict] = None
 
 
 class UniPrefillRuntime:
