@@ -262,7 +262,7 @@ def _recoverable(runtime, error) -> bool:
 def _uniprefill_acted(ctx) -> bool:
     """Did this forward drop, park, read a per-stage view or plan block-sparse attention (so
     its failure may be ours)?"""
-    if ctx.acts or (ctx.plan is not None and any(d.block_sparse for d in ctx.plan.decisions)):
+    if ctx.acts or (ctx.plan is not None and ctx.plan.any_block_sparse):
         return True
     return bool(ctx.sparse) and any(ctx.sparse)
 

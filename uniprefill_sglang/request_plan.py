@@ -81,6 +81,11 @@ class RequestDecision:
 class BatchPlan:
     decisions: List[RequestDecision]
 
+    @property
+    def any_block_sparse(self) -> bool:
+        """Does some request attend block-sparse (backends/block_sparse.py)?"""
+        return any(d.block_sparse for d in self.decisions)
+
     def all_dense(self, reason: str, restore: bool = False) -> "BatchPlan":
         """The same batch with every request dense (a forward that failed runs again), its
         attention too (no block-sparse rule). `restore`: a cached prefix lacking tokens past the

@@ -97,9 +97,9 @@ def runs_in(ctx, runtime) -> bool:
 
 def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
     """The forward's plan, or None where no request asks for block-sparse attention."""
-    decisions = ctx.plan.decisions if ctx.plan is not None else []
-    if not any(d.block_sparse for d in decisions):
+    if ctx.plan is None or not ctx.plan.any_block_sparse:
         return None
+    decisions = ctx.plan.decisions
     config = runtime.config
     served = runtime.prefill_backend in SERVED_BY
     rules, asked, earlier = [], [], []
