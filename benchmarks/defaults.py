@@ -51,6 +51,11 @@ CONFIGS = {
     "staged": {"enable_uniprefill": True, "uniprefill_kv_layout": "staged"},
     "top_p": {"enable_uniprefill": True, "uniprefill_top_p": 0.6},
     "keep": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8"},
+    # Block-sparse prefill attention at a fixed density (the stand-in random weights need),
+    # alone and over the survivors of keep 0.5,0.8 (backends/block_sparse.py).
+    "block_sparse": {"enable_uniprefill": True, "uniprefill_block_sparse_density": 0.1},
+    "keep_block_sparse": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8",
+                          "uniprefill_block_sparse_density": 0.1},
     # The cost rule off: where a drop stops paying for itself (its break-even).
     "keep_every_step": {"enable_uniprefill": True, "uniprefill_keep_ratio": "0.5,0.8",
                         "uniprefill_min_prompt_tokens": 0},
@@ -105,6 +110,7 @@ def _meta(out) -> dict:
     last = entries[-1]
     return {"reason": last.get("reason"), "kept_tokens": last.get("kept_tokens"),
             "prefix": last.get("prefix"), "prefill_cuda_graph": last.get("prefill_cuda_graph"),
+            "block_sparse_density": last.get("block_sparse_density"),
             "finish": out["meta_info"].get("finish_reason")}
 
 
