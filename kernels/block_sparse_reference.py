@@ -112,11 +112,21 @@ def _pool_rows(x: torch.Tensor, first_pos: int, block_size: int, n_blocks: int, 
     """Mean of the rows of each block: x ``[n, H, D]`` whose row ``i`` sits at ``first_pos + i``;
     block ``b`` (``first_block + b`` absolute) -> ``[H, n_blocks, D]`` float64."""
     n, h, d = x.shape
-    blk = (first_pos + torch.arange(n, device=x.device)) // block_size - first_block
-    sums = torch.zeros(n_blocks, h, d, dtype=F64, device=x.device)
-    sums.index_add_(0, blk, x.to(F64))
-    counts = torch.bincount(blk, minlength=n_blocks).to(F64).clamp_min(1.0)
-    return (sums / counts[:, None, None]).transpose(0, 1)
+    if first_pos == first_block * block_size and n > 0:
+        # Block-aligned rows (the keys, and most chunks): sums over a view, accumulated in
+        # float64 without a float64 copy of x (at 131K keys that copy is 1 GB per layer).
+        full = n // block_size
+        sums = torch.zeros(n_blocks, h, d, dtype=F64, device=x.device)
+        sums[:full] = x[:full * block_size].reshape(full, block_size, h, d).sum(1, dtype=F64)
+        if full * block_size < n:
+            sums[full] = x[full * block_size:].sum(0, dtype=F64)
+        counts = (n - torch.arange(n_blocks, device=x.device) * block_size).clamp(1, block_size)
+    else:
+        blk = (first_pos + torch.arange(n, device=x.device)) // block_size - first_block
+        sums = torch.zeros(n_blocks, h, d, dtype=F64, device=x.device)
+        sums.index_add_(0, blk, x.to(F64))
+        counts = torch.bincount(blk, minlength=n_blocks).clamp_min(1)
+    return (sums / counts.to(F64)[:, None, None]).transpose(0, 1)
 
 
 def check_qk_shapes(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:

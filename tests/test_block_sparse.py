@@ -255,6 +255,24 @@ def test_estimate_rows_are_distributions(seed, shape, block_size):
     assert torch.allclose(est.sum(-1), torch.ones_like(est.sum(-1)), atol=1e-12)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("n,first_pos,block_size", [(64, 0, 16), (70, 0, 16), (5, 0, 16),
+                                                     (70, 32, 16), (70, 40, 16), (33, 3, 7)])
+def test_block_pooling_is_each_blocks_mean(seed, n, first_pos, block_size):
+    """Pooled rows (the aligned view path and the scattered path) against a loop of means."""
+    from uniprefill_sglang.kernels.block_sparse_reference import _pool_rows
+
+    x = torch.randn(n, 3, 8, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    first_block = first_pos // block_size
+    n_blocks = (first_pos + n - 1) // block_size - first_block + 1
+    got = _pool_rows(x, first_pos, block_size, n_blocks, first_block)
+    assert got.dtype == torch.float64 and got.shape == (3, n_blocks, 8)
+    for b in range(n_blocks):
+        lo = max(0, (first_block + b) * block_size - first_pos)
+        hi = min(n, (first_block + b + 1) * block_size - first_pos)
+        assert torch.allclose(got[:, b], x[lo:hi].double().mean(0), rtol=1e-12, atol=1e-14)
+
+
 SELECTIONS = [dict(top_p=0.3), dict(top_p=0.9), dict(density=0.1), dict(density=0.5), dict(density=1.0)]
 
 
