@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--heads-per-tile", default="0,1",
+                    help="query heads per kernel program to time (0: the kernel's default)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -93,14 +95,18 @@ def main() -> None:
                 realised = indices.numel() / (float(causal_block_pairs(n_q, n_k, bs).sum())
                                               * mask.shape[0])
                 out = torch.empty_like(q)
-                ms = time_ms(lambda: block_sparse_attention_from_lists(
-                    q, k, v, indptr, indices, mask.shape[0], bs, scale, out=out), args.repeats)
-                over = round(fa3_ms / ms, 3) if fa3_ms else None
-                rows.append({"keys": n_k, "queries": n_q, "path": "triton block-sparse",
-                             "block_size": bs, "density_asked": density,
-                             "density_realised": round(realised, 4), "ms": round(ms, 3),
-                             "fa3_dense_over_it": over, "estimate_ms": round(est_ms, 3)})
-                print(f"| {n_k} | triton | {bs} | {realised:.3f} | {ms:.3f} | {over} | {est_ms:.3f} |")
+                for heads in [int(x) for x in args.heads_per_tile.split(",")]:
+                    ms = time_ms(lambda: block_sparse_attention_from_lists(
+                        q, k, v, indptr, indices, mask.shape[0], bs, scale, out=out,
+                        heads_per_tile=heads or None), args.repeats)
+                    over = round(fa3_ms / ms, 3) if fa3_ms else None
+                    rows.append({"keys": n_k, "queries": n_q, "path": "triton block-sparse",
+                                 "block_size": bs, "heads_per_tile": heads or "default",
+                                 "density_asked": density, "density_realised": round(realised, 4),
+                                 "ms": round(ms, 3), "fa3_dense_over_it": over,
+                                 "estimate_ms": round(est_ms, 3)})
+                    print(f"| {n_k} | triton x{heads or 'd'} | {bs} | {realised:.3f} | {ms:.3f} | "
+                          f"{over} | {est_ms:.3f} |")
     result = {"header": result_header(note=f"{torch.cuda.get_device_name()}, bf16, "
                                            f"Hq={hq} Hkv={hk} D={d}"), "rows": rows}
     if args.out:

@@ -5,8 +5,10 @@ query ``i`` at key position ``q_offset + i``, blocks of ``block_size`` aligned o
 a bool mask ``[Hkv or 1, R, C]`` turned into CSR lists by ``block_lists_from_mask`` (row
 ``h * R + r``: the kept key blocks of mask head ``h`` for query block ``r``, ascending).
 
-One program per (query block, query head) loads its block's queries once and runs a
-flash-attention loop over only the key blocks its list names: logits in fp32, an online softmax
+One program per (query block, group of ``HEADS`` query heads of one KV head) loads its
+block's queries once, the heads stacked as one tile of ``HEADS * block_size`` rows (each key
+block it loads serves every head of the tile: GQA's reuse, and a 128-row tile at block 64), and
+runs a flash-attention loop over only the key blocks its list names: logits in fp32, an online softmax
 in base 2 with a guarded running max (a block in which a row sees nothing leaves it unchanged,
 so no NaN), the output accumulated in fp32 and written in q's dtype.  With ``causal`` the
 token-level mask ``key <= query`` applies in every block (it bites in the diagonal one).  A
@@ -43,34 +45,37 @@ def _block_sparse_attention_kernel(
     stride_vn, stride_vh, stride_vd,
     stride_on, stride_oh, stride_od,
     n_q, n_k, q_offset, first_block, n_rows, sm_scale,
-    GROUP: tl.constexpr, MASK_PER_KV_HEAD: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, MASK_PER_KV_HEAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     r = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = h // GROUP
+    h0 = tl.program_id(1) * HEADS  # the tile's first query head; its HEADS share one KV head
+    kvh = h0 // GROUP
     if MASK_PER_KV_HEAD:
         list_row = kvh * n_rows + r
     else:
         list_row = r
 
-    # this query block's rows: key positions [a * BLOCK, (a + 1) * BLOCK) within the chunk
-    qpos = (first_block + r) * BLOCK + tl.arange(0, BLOCK)
+    # tile row t: head h0 + t // BLOCK, query at key position (first_block + r) * BLOCK + t % BLOCK
+    t = tl.arange(0, HEADS * BLOCK)
+    head = h0 + t // BLOCK
+    qpos = (first_block + r) * BLOCK + t % BLOCK
     row_ok = (qpos >= q_offset) & (qpos < q_offset + n_q)
     rows64 = (qpos - q_offset).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < DV
-    q = tl.load(Q + rows64[:, None] * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + rows64[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK], dtype=tl.float32)
-    acc = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([HEADS * BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS * BLOCK], dtype=tl.float32)
+    acc = tl.zeros([HEADS * BLOCK, BLOCK_DV], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): base-2 softmax
 
     e0 = tl.load(BlockIndptr + list_row)
@@ -105,7 +110,7 @@ def _block_sparse_attention_kernel(
         bits = acc.to(tl.uint32, bitcast=True)
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))).to(tl.float32, bitcast=True)
         acc = tl.where(tl.abs(acc) >= 1.1754943508222875e-38, rounded, acc)
-    tl.store(Out + rows64[:, None] * stride_on + h * stride_oh + offs_dv[None, :] * stride_od,
+    tl.store(Out + rows64[:, None] * stride_on + head[:, None] * stride_oh + offs_dv[None, :] * stride_od,
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
@@ -127,6 +132,7 @@ def block_sparse_attention_from_lists(
     out: Optional[torch.Tensor] = None,
     num_warps: Optional[int] = None,
     num_stages: int = 2,
+    heads_per_tile: Optional[int] = None,
 ) -> torch.Tensor:
     """Block-sparse attention from CSR key-block lists (``block_lists_from_mask``).
 
@@ -134,7 +140,9 @@ def block_sparse_attention_from_lists(
     bf16) on one device; ``mask_heads`` is the mask's head count (Hkv or 1); block_indptr int32
     ``[mask_heads * R + 1]``, block_indices int32 key-block indices < ``ceil(n_k / block_size)``
     (not checked on the device).  out: optional ``[n_q, Hq, Dv]`` in q's dtype.
-    num_warps (default 4, 8 from 128-row blocks) and num_stages are GPU tuning knobs.
+    heads_per_tile: query heads of one KV head per program (a divisor of the group; default
+    as many as make a tile of up to 128 rows); num_warps (default 4, 8 from 128-row tiles) and
+    num_stages are GPU tuning knobs.
     Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
     """
     n_q, n_k, hq, hkv = check_qk_shapes(q, k)
@@ -160,18 +168,24 @@ def block_sparse_attention_from_lists(
     # The interpreter multiplies bf16 tiles as raw 16-bit patterns: upcast there.
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     prec = "ieee" if (upcast or q.dtype == torch.float32) else "tf32"
+    group = hq // hkv
+    if heads_per_tile is None:
+        heads_per_tile = max(x for x in (1, 2, 4, 8) if group % x == 0 and x * block_size <= max(128, block_size))
+    if heads_per_tile < 1 or group % heads_per_tile:
+        raise ValueError(f"heads_per_tile must divide the group of {group} query heads, got {heads_per_tile}")
     if num_warps is None:
-        num_warps = 8 if block_size >= 128 else 4
+        num_warps = 8 if heads_per_tile * block_size >= 128 else 4
     extra = dict(num_warps=num_warps, num_stages=num_stages) if q.device.type == "cuda" else {}
     d = q.shape[2]
-    _block_sparse_attention_kernel[(nr, hq)](
+    _block_sparse_attention_kernel[(nr, hq // heads_per_tile)](
         q, k, v, out, block_indptr.to(torch.int32).contiguous(), block_indices.to(torch.int32).contiguous(),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         n_q, n_k, q_offset, a0, nr, float(sm_scale),
-        GROUP=hq // hkv, MASK_PER_KV_HEAD=mask_heads == hkv and hkv > 1, CAUSAL=bool(causal),
+        GROUP=group, HEADS=heads_per_tile, MASK_PER_KV_HEAD=mask_heads == hkv and hkv > 1,
+        CAUSAL=bool(causal),
         D=d, DV=dv, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK=block_size, UPCAST=upcast, PREC=prec, ROUND_BF16=INTERPRETED and q.dtype == torch.bfloat16,
         **extra,

@@ -161,6 +161,22 @@ def test_triton_estimate_masks(bst, shape, select):
     assert_close(got, ref, *TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("heads_per_tile", [1, 2, 4])
+def test_triton_heads_per_tile_same_answer(bst, heads_per_tile):
+    """Query heads of one KV head stacked in one tile: the answer of one head per program."""
+    q, k, v = make_qkv(23, 45, 120, 8, 2, dtype=torch.bfloat16, q_scale=2.0)
+    for shared in (False, True):
+        mask = random_mask(23, 1 if shared else 2, 45, 120, 16, None)
+        got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 32 ** -0.5) if heads_per_tile == 4 \
+            else bst.block_sparse_attention_from_lists(q, k, v, *bst.block_lists_from_mask(mask), mask.shape[0],
+                                                       16, 32 ** -0.5, heads_per_tile=heads_per_tile)
+        ref = block_sparse_attention_reference(q, k, v, mask, 16, 32 ** -0.5)
+        assert_close(got, ref, *TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="heads_per_tile"):
+        bst.block_sparse_attention_from_lists(q, k, v, *bst.block_lists_from_mask(mask), 1, 16, 0.1,
+                                              heads_per_tile=3)
+
+
 def test_triton_strided_inputs_block_32_and_non_causal(bst):
     """q, k, v as column slices of one fused projection; a 32 block; causal off (mask as is);
     a value head dim unlike the key's."""
