@@ -42,6 +42,8 @@ def test_page_table_of_no_keys():
 LLAMA = ModelFacts(("LlamaForCausalLM",), 4, 64, None, frozenset())
 GEMMA3 = ModelFacts(("Gemma3ForCausalLM",), 6, 64,
                     ("sliding_attention",) * 5 + ("full_attention",), frozenset())
+GPT_OSS = ModelFacts(("GptOssForCausalLM",), 4, 64,
+                     ("sliding_attention", "full_attention") * 2, frozenset())
 
 
 def _choose(monkeypatch, picked, facts, attention=None, prefill=None, decode=None):
@@ -51,8 +53,9 @@ def _choose(monkeypatch, picked, facts, attention=None, prefill=None, decode=Non
 
     monkeypatch.setattr(versions, "default_attention_backend", lambda args: picked)
     args = SimpleNamespace(attention_backend=attention, prefill_attention_backend=prefill,
-                           decode_attention_backend=decode)
+                           decode_attention_backend=decode, disable_hybrid_swa_memory=False)
     UniPrefillServerArgs._choose_gpu_attention_backends(args, facts)
+    assert args.disable_hybrid_swa_memory == (facts is GPT_OSS)
     return args.attention_backend, args.prefill_attention_backend, args.decode_attention_backend
 
 
@@ -65,6 +68,14 @@ def test_models_with_sliding_window_layers_and_other_picks_get_flashinfer(monkey
     assert _choose(monkeypatch, "fa3", None) == ("flashinfer", None, None)  # config unread
     assert _choose(monkeypatch, "flashinfer", LLAMA) == ("flashinfer", None, None)
     assert _choose(monkeypatch, "trtllm_mha", LLAMA) == ("flashinfer", None, None)
+
+
+def test_gpt_oss_never_lands_on_flashinfer(monkeypatch):
+    """SGLang refuses to start gpt-oss on FlashInfer: fa3 stays with Triton decode, another pick
+    becomes Triton, and its sliding-window layers share the one KV pool the views read."""
+    assert _choose(monkeypatch, "fa3", GPT_OSS) == ("fa3", None, "triton")
+    assert _choose(monkeypatch, "trtllm_mha", GPT_OSS) == ("triton", None, None)
+    assert _choose(monkeypatch, "fa3", GPT_OSS, attention="triton") == ("triton", None, None)
 
 
 def test_a_users_backends_are_kept(monkeypatch):

@@ -120,6 +120,9 @@ class Architecture:
     # reuse only (server_args.py). Its KV pool holds the full-attention layers only: it keeps
     # the shared KV layout.
     recurrent_state: bool = False
+    # Does SGLang serve it on FlashInfer? gpt-oss's learned attention sinks it serves on triton,
+    # fa3, trtllm_mha and vendor backends only (it refuses to start on FlashInfer).
+    flashinfer: bool = True
 
 
 ARCHITECTURES: Tuple[Architecture, ...] = (
@@ -147,7 +150,7 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     # 5, 9, 11, 15, 17, 21); not measured.
     Architecture(frozenset({"GptOssForCausalLM"}), LLAMA,
                  layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
-                 default_drop_layers=scaled_reference_full_layers),
+                 default_drop_layers=scaled_reference_full_layers, flashinfer=False),
     # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, each called as
     # layer(positions=..., hidden_states=..., residual=..., forward_batch=...), its attention
     # output added to the residual stream by post_attention_layernorm. After a drop the linear

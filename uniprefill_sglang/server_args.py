@@ -240,14 +240,18 @@ class UniPrefillServerArgs(ServerArgs):
     def _choose_gpu_attention_backends(self, facts: Optional[ModelFacts]):
         """Keep the backend SGLang picks where an adapter serves it. FA3 (SGLang's pick on
         Hopper) serves prefill over the per-stage views for models of full-attention layers
-        only; their decode runs on FlashInfer, whose adapter holds the per-stage decode views
-        and decode CUDA graphs (backends/fa3.py). Elsewhere the default is FlashInfer."""
+        and for gpt-oss (its sliding-window layers after a drop run the positional kernel);
+        decode runs on FlashInfer, whose adapter holds the per-stage decode views and decode
+        CUDA graphs (backends/fa3.py), or on Triton for a model SGLang will not serve on
+        FlashInfer (gpt-oss). Elsewhere the default is FlashInfer (Triton for such a model)."""
         given = (self.attention_backend, self.prefill_attention_backend,
                  self.decode_attention_backend)
         if self.decode_attention_backend == "fa3":
             raise UniPrefillConfigError(
                 "--enable-uniprefill does not support --decode-attention-backend fa3: decode "
                 "over per-stage KV views runs on flashinfer or triton (FA3 serves prefill)")
+        arch = architecture_entry(facts.architectures) if facts is not None else None
+        flashinfer = arch is None or arch.flashinfer
         if given == (None, None, None):
             plain = facts is not None and set(arch_table.layer_kinds(
                 facts.layer_types, facts.num_layers)) == {arch_table.FULL_ATTENTION}
@@ -256,11 +260,21 @@ class UniPrefillServerArgs(ServerArgs):
             except Exception as e:  # SGLang's rule needs what these args cannot give yet
                 logger.info("UniPrefill: SGLang's default attention backend unknown (%s)", e)
                 picked = None
-            self.attention_backend = "fa3" if picked == "fa3" and plain else "flashinfer"
+            if picked == "fa3" and (plain or not flashinfer):
+                self.attention_backend = "fa3"
+            else:
+                self.attention_backend = "flashinfer" if flashinfer else "triton"
         if "fa3" in (self.attention_backend, self.prefill_attention_backend) and (
                 self.decode_attention_backend is None):
-            self.decode_attention_backend = "flashinfer"
-            logger.info("UniPrefill: prefill attention on fa3, decode on flashinfer")
+            self.decode_attention_backend = "flashinfer" if flashinfer else "triton"
+            logger.info("UniPrefill: prefill attention on fa3, decode on %s",
+                        self.decode_attention_backend)
+        if arch is not None and not flashinfer and not self.disable_hybrid_swa_memory:
+            # The adapters' per-stage views read every layer's KV from one pool; SGLang's
+            # separate sliding-window pool (its default for gpt-oss) is not served.
+            self.disable_hybrid_swa_memory = True
+            logger.info("UniPrefill: one KV pool for every layer (--disable-hybrid-swa-memory): "
+                        "the sliding-window layers' KV is kept whole, as the drop's views need")
 
     def uniprefill_config(self) -> UniPrefillConfig:
         profile = None

@@ -69,6 +69,10 @@ def refuse_unservable_view(adapter, backend, layer, k, v, kwargs) -> None:
                               f"view that this call cannot take ({why})")
 
 
+# KV dtypes the positional kernel (sliding-window layers after a drop) does not read.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def sliding_window(layer) -> Optional[int]:
     """The layer's window as upstream counts it (a query sees keys at most this many positions
     back), or None for full attention."""

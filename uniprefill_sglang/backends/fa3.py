@@ -16,8 +16,13 @@ so a stage's view is each request's valid slots at that stage as one padded row:
   (server_args.py sets the decode backend), whose adapter serves per-stage decode views and
   decode CUDA graphs. A decode step that reaches this backend with views needed raises, and
   the step re-runs without UniPrefill (patches/model_runner.py).
-* Sliding-window and chunked-local layers are not served (`unsupported_reason`): such models
-  stay on FlashInfer.
+* Sliding-window layers after a drop (gpt-oss's, or Gemma 3's where a user names fa3): FA3's
+  window counts KV entries, which is wrong once entries are missing, so such a layer runs
+  `kernels.positional_attention` over the stage's keys masked by original positions, with the
+  layer's attention-sink logits where it has them (`common.window_extend_attention`, as the
+  Triton adapter does); a full-attention layer passes its sinks on to FA3 untouched. SGLang's
+  separate sliding-window KV pool and chunked-local layers are not served
+  (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 from uniprefill_sglang.backends import block_sparse
 from uniprefill_sglang.backends.common import (
+    FP8_DTYPES,
     StageViewAdapter,
     active_runtime,
     extend_needs_view,
@@ -33,8 +39,10 @@ from uniprefill_sglang.backends.common import (
     needs_view,
     refuse_unservable_view,
     row_piece,
+    sliding_window,
     stage_keys,
     view_cache,
+    window_extend_attention,
     write_kv,
 )
 from uniprefill_sglang.context import drop_context
@@ -49,8 +57,10 @@ class FA3Adapter(StageViewAdapter):
             return "FA3 with a page size other than 1"
         if backend.use_mla:
             return "FA3 with MLA"
-        if backend.has_swa or backend.use_sliding_window_kv_pool or backend.has_local_attention:
-            return "FA3 with sliding-window or chunked-local attention layers"
+        if backend.use_sliding_window_kv_pool or backend.has_local_attention:
+            return "FA3 with a separate sliding-window KV pool or chunked-local attention layers"
+        if backend.has_swa and backend.token_to_kv_pool.dtype in FP8_DTYPES:
+            return "FA3 with sliding-window layers and an fp8 KV cache"
         if backend.is_encoder_decoder or getattr(backend, "attn_cp_size", 1) > 1:
             return "FA3 with cross attention or context parallelism"
         if getattr(backend, "kv_cache_is_mxfp8", False) or getattr(
@@ -120,6 +130,10 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     if save_kv_cache:
         slots = ctx.out_cache_loc[row_piece(ctx).rows]
         write_kv(backend.token_to_kv_pool, layer, slots, k, v, layer.k_scale, layer.v_scale)
+    window = sliding_window(layer)
+    if window is not None:
+        return window_extend_attention(runtime, backend.token_to_kv_pool, backend.req_to_token,
+                                       layer, q, ctx, stage, window, sinks=kwargs.get("sinks"))
     view = _extend_view(runtime, backend, ctx, stage)
     meta = backend.forward_metadata
     saved = tuple(getattr(meta, f) for f in _VIEW_FIELDS)

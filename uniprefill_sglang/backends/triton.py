@@ -48,6 +48,7 @@ from uniprefill_sglang.backends.common import (
     refuse_unservable_view,
     row_piece,
     seq_lens_sum,
+    FP8_DTYPES,
     sliding_window,
     stage_keys,
     stages_after_first,
@@ -69,7 +70,6 @@ class _State:
         self.graph_splits: Optional[torch.Tensor] = None
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _model_window(backend) -> Optional[int]:
@@ -105,7 +105,7 @@ class TritonAdapter(StageViewAdapter):
                 or getattr(backend, "_translate_kv_loc", None) is not None
                 or backend.use_sliding_window_kv_pool):
             return "Triton with split-context, MLA, translated or sliding-window-pool KV"
-        if _model_window(backend) is not None and backend.token_to_kv_pool.dtype in _FP8:
+        if _model_window(backend) is not None and backend.token_to_kv_pool.dtype in FP8_DTYPES:
             return "Triton with sliding-window layers and an fp8 KV cache"
         return None
 
