@@ -1,0 +1,105 @@
+"""gpt-oss on the GPU: sliding-window layers with learned sinks after a drop, on fa3 (SGLang's
+pick on Hopper, given no backend flag) and on Triton.
+
+Skipped without CUDA. Run in a pytest process of its own:
+
+    pytest tests/gpu/test_gpt_oss_gpu.py -x -q
+
+The model is tests/test_gpt_oss.py's reduced gpt-oss widened to GPU head sizes (4 layers,
+sliding-window (16) and full attention alternating, learned sinks, 4 experts, top-2, seeded
+random weights), in bfloat16. UniPrefill drops at the full-attention layer 1: the
+sliding-window layer 2 runs `kernels.positional_attention` over the survivors in original
+positions with the sinks, the full-attention layer 3 the backend's kernel over the stage view
+(FA3 through its page table, with the sinks), decode on Triton through CUDA graphs (SGLang
+serves gpt-oss on neither FlashInfer nor torch_native). Per engine, whole and chunked at 512:
+
+* top-p 1.0 is token-identical to dense in the same engine;
+* a forced keep drops (no fallback reason) and answers the same batched with another prompt;
+* chunked keeps the same counts as whole and answers alike as far as dense does;
+* nothing is left parked and no slot leaks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_harness import forced_keep_workload, random_model_results, random_prompts, serve_and_record  # noqa: E402
+from test_gpt_oss import CONFIG as CPU_CONFIG  # noqa: E402
+
+CONFIG = dict(CPU_CONFIG, hidden_size=256, intermediate_size=256, head_dim=64,
+              max_position_embeddings=8192)
+ENGINE_KWARGS = dict(
+    skip_tokenizer_init=True, enable_uniprefill=True, uniprefill_min_prompt_tokens=0,
+    uniprefill_drop_layers="1", uniprefill_block_size=16, uniprefill_sink_tokens=16,
+    uniprefill_last_queries=16, disable_radix_cache=True, dtype="bfloat16", context_length=8192,
+    max_running_requests=8, max_total_tokens=32768, mem_fraction_static=0.3, random_seed=0,
+    log_level="info")
+ENGINES = {
+    "pick_whole": dict(chunked_prefill_size=8192),  # no backend flag: fa3 on Hopper
+    "pick_chunked": dict(chunked_prefill_size=512),
+    "tr_whole": dict(attention_backend="triton", chunked_prefill_size=8192),
+    "tr_chunked": dict(attention_backend="triton", chunked_prefill_size=512),
+}
+PAIRS = [("pick_whole", "pick_chunked"), ("tr_whole", "tr_chunked")]
+PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
+
+
+@pytest.fixture(scope="module")
+def results():
+    yield from random_model_results(__file__, CONFIG, ENGINES, 420, "gpt_oss_engine_")
+
+
+def _meta(rec) -> dict:
+    return rec["uniprefill"][-1]
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_top_p_one_is_token_identical_to_dense(results, name):
+    res = results[name]
+    assert _meta(res["full"])["kept_tokens"] == [len(PROMPT)] * 2, _meta(res["full"])
+    assert res["full"]["output_ids"] == res["dense"]["output_ids"]
+    assert res["cuda_graph"]
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_forced_keep_drops_and_batches_alike(results, name):
+    res = results[name]
+    meta = _meta(res["forced"])
+    assert meta["enabled"] and meta["reason"] is None, meta
+    assert meta["kept_tokens"][0] == len(PROMPT) and meta["kept_tokens"][1] < 0.5 * len(PROMPT)
+    assert [_meta(o)["kept_tokens"] for o in res["batch"]] == \
+        [meta["kept_tokens"], _meta(res["other"])["kept_tokens"]]
+    assert [o["output_ids"] for o in res["batch"]] == \
+        [res["forced"]["output_ids"], res["other"]["output_ids"]]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
+def test_chunked_keeps_and_answers_as_whole(results, pair):
+    whole, chunked = (results[n] for n in pair)
+    assert _meta(chunked["forced"])["kept_tokens"] == _meta(whole["forced"])["kept_tokens"]
+    horizon = 0  # dense's own agreement chunked against whole (bfloat16 rounding)
+    while horizon < len(whole["dense"]["output_ids"]) and \
+            chunked["dense"]["output_ids"][horizon] == whole["dense"]["output_ids"][horizon]:
+        horizon += 1
+    assert horizon >= 4
+    for key in ("forced", "full"):
+        assert chunked[key]["output_ids"][:horizon] == whole[key]["output_ids"][:horizon], key
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_no_parked_state_or_slot_left(results, name):
+    state = results[name]["state"]
+    assert state["idle"] and state["parked_requests"] == 0, state
+    assert state["available_kv_tokens"] == state["max_total_num_tokens"], state
+
+
+if __name__ == "__main__":
+    name, model_dir, out_path = sys.argv[1:4]
+    serve_and_record(name, ENGINES, ENGINE_KWARGS, model_dir, out_path,
+                     lambda engine: forced_keep_workload(engine, PROMPT, OTHER), 37000)
