@@ -4,7 +4,7 @@ The model is a reduced Gemma 3 (`Gemma3ForCausalLM`, 8 layers: sliding window 16
 global layers 1, 3 and 6) with seeded random weights, written by transformers. UniPrefill drops
 at the global layers 3 and 6: layer 1 (global) runs before the first drop on every token, the
 sliding layers 4, 5 and 7 and the global layer 6 after it on the survivors, at their original
-positions. The oracle is `uniprefill_sglang.backends.sliding_window_reference` (plain torch,
+positions. The oracle is `tests/gemma3_reference.py` (plain torch,
 float64), itself checked against transformers' Gemma 3 in float64: with nothing dropped, and,
 under a drop, against transformers' own decoder layers run on the survivors.
 
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from uniprefill_sglang import kernels
-from uniprefill_sglang.backends import sliding_window_reference as ref
+import gemma3_reference as ref
 from uniprefill_sglang.context import DropContext
 from uniprefill_sglang.tools.cpu_engine import (
     flush_cache,

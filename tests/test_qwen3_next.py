@@ -3,7 +3,7 @@
 The model is a reduced Qwen3-Next with random weights (`Qwen3NextForCausalLM`: 4 layers, a full
 attention layer every second one, MoE MLPs with a shared expert), written by transformers. SGLang
 runs its GDN layers on the CPU through the `sgl_kernel` CPU kernels, which the test-only stand-in
-forwards to the torch references of `uniprefill_sglang.backends.linear_attention_reference`
+forwards to the torch references of `tests/stubs/linear_attention_reference.py`
 (checked here against transformers' own torch implementation), and a few fused Triton kernels of
 the model (its gated RMSNorm, the shared expert's gate) through Triton's interpreter.
 
@@ -29,7 +29,7 @@ import torch
 from hybrid_workload import (assert_mixers_ran_in_pieces, assert_nothing_left, random_prompts,
                              run_hybrid_workload)
 
-from uniprefill_sglang.backends import linear_attention_reference as ref
+import linear_attention_reference as ref
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
 
 CONFIG = dict(

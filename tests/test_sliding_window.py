@@ -6,7 +6,7 @@ in original positions: the mask over the survivors must be upstream's whole-sequ
 positions, on fresh random survivor sets, windows and prefix offsets. Upstream's window
 (RadixAttention's `sliding_window_size`) is one less than Hugging Face's `sliding_window` for
 Gemma 3 (SGLang's `gemma3_causal.get_attention_sliding_window_size`); read so, the mask is
-transformers' own, and the float64 Gemma 3 reference's (`backends/sliding_window_reference.py`,
+transformers' own, and the float64 Gemma 3 reference's (`tests/gemma3_reference.py`,
 on Hugging Face's window).
 """
 
@@ -60,7 +60,7 @@ def test_survivor_mask_is_transformers_gemma3_mask_on_original_positions():
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     from sglang.srt.models.gemma3_causal import get_attention_sliding_window_size
-    from uniprefill_sglang.backends.sliding_window_reference import visible
+    from gemma3_reference import visible
 
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     for _ in range(100):

@@ -19,7 +19,7 @@ linear layer of a later stage runs with those fields describing them:
   in the piece, each starting from its slot's state where its earlier rows passed before.
 
 Decode steps and the layers before the first drop run upstream code unchanged. The torch
-references of the two operators these fields drive are in `linear_attention_reference.py`.
+references of the two operators these fields drive are in `tests/stubs/linear_attention_reference.py`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ with ``spawn`` and they must import the stub too). Then:
   ``causal_conv1d_fn_cpu``, ``causal_conv1d_update_cpu``, ``chunk_gated_delta_rule_cpu`` and
   ``torch.ops.sgl_kernel``'s ``fused_gdn_gating_cpu`` and
   ``fused_sigmoid_gating_delta_rule_update_cpu``, run the torch references of
-  ``uniprefill_sglang.backends.linear_attention_reference``.
+  ``linear_attention_reference`` (beside this package).
 
 ``uniprefill_sglang.tools.cpu_engine.cpu_engine_env()`` builds the right ``PYTHONPATH``.
 """
@@ -72,7 +72,7 @@ __getattr__ = _module_getattr(__name__)
 
 def _gdn_kernels() -> dict:
     """The Gated DeltaNet CPU kernels SGLang calls, by name, as their torch references."""
-    from uniprefill_sglang.backends import linear_attention_reference as ref
+    import linear_attention_reference as ref
 
     return {"causal_conv1d_fn_cpu": ref.causal_conv1d_varlen,
             "causal_conv1d_update_cpu": ref.causal_conv1d_step,

@@ -1,5 +1,5 @@
 """A float64 reference of Gemma 3 (`Gemma3ForCausalLM`, a sliding-window hybrid) under a drop,
-in plain torch: what SGLang with the torch_native adapter (`torch_native.py`, beside this module)
+in plain torch: what SGLang with the torch_native adapter (`uniprefill_sglang/backends/torch_native.py`)
 must answer for a prompt and the positions that survive each drop.
 
 Prefill. Every layer runs on the tokens that reached it and keeps their KV. At a drop layer,
