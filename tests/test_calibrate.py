@@ -293,6 +293,21 @@ def test_a_mixture_of_experts_searches_every_layer_from_the_llama_rule(family, d
         cal.candidate_layer_sets(depth)
 
 
+def test_gpt_oss_searches_its_full_attention_layers_from_the_scaled_llama_rule():
+    """gpt-oss-20b's depth: drops only at its full-attention (odd) layers; the default is the
+    Llama rule scaled to 24 layers, each moved on to the next full-attention layer."""
+    from transformers import AutoConfig
+    from test_gpt_oss import CONFIG
+
+    kinds = ["sliding_attention", "full_attention"] * 12
+    cfg = AutoConfig.for_model(**dict(CONFIG, num_hidden_layers=24, layer_types=kinds))
+    shape = cal.ModelShape.from_hf_config(cfg)
+    assert shape.full_layers == tuple(range(1, 24, 2))
+    assert shape.default_schedule() == cal.Schedule((5, 9, 11, 15, 17, 21), 0.99, 64)
+    sets = cal.candidate_layer_sets(24, full_layers=shape.full_layers)
+    assert sets and all(l % 2 == 1 for layers in sets for l in layers)
+
+
 # ---- profiles ---------------------------------------------------------------------------------
 
 
