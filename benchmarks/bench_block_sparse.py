@@ -46,6 +46,31 @@ def fa3_dense(q, k, v, sm_scale):
     return run
 
 
+def flashinfer_bsr(q, k, v, indptr, indices, block_size, sm_scale):
+    """FlashInfer's BSR wrapper over the first mask head's lists for every head (its pattern is
+    shared by the heads), no in-block causal mask: a timing of the maintained kernel at the
+    same density, not a drop-in (returns a runner, or the reason there is none)."""
+    try:
+        import flashinfer
+
+        n_rows = -(-q.shape[0] // block_size)
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+        wrapper = flashinfer.BlockSparseAttentionWrapper(ws)
+        first = indptr[:n_rows + 1]
+        wrapper.plan(first, indices[:int(first[-1])], n_rows * block_size,
+                     -(-k.shape[0] // block_size) * block_size, block_size, block_size,
+                     q.shape[1], k.shape[1], q.shape[2], sm_scale=sm_scale,
+                     q_data_type=q.dtype)
+        pad_q = n_rows * block_size - q.shape[0]
+        pad_k = -(-k.shape[0] // block_size) * block_size - k.shape[0]
+        qp = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad_q))
+        kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad_k))
+        vp = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad_k))
+        return lambda: wrapper.run(qp, kp, vp)
+    except Exception as e:  # noqa: BLE001 - recorded in the result
+        return f"{type(e).__name__}: {e}"[:300]
+
+
 def main() -> None:
     from uniprefill_sglang.kernels.block_sparse_reference import (block_lists_from_mask,
                                                                  block_mask_reference,
@@ -62,6 +87,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads-per-tile", default="0,1",
                     help="query heads per kernel program to time (0: the kernel's default)")
+    ap.add_argument("--flashinfer", choices=("on", "off"), default="on",
+                    help="also time FlashInfer's BSR wrapper at the smallest block size")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -81,7 +108,8 @@ def main() -> None:
         fa3_ms = time_ms(fa3, args.repeats) if fa3 is not None else None
         rows.append({"keys": n_k, "queries": n_q, "path": "fa3 dense", "ms": fa3_ms})
         print(f"| {n_k} | fa3 dense | - | 1.0 | {fa3_ms} | 1.00 | - |")
-        for bs in [int(x) for x in args.block_sizes.split(",")]:
+        block_sizes = [int(x) for x in args.block_sizes.split(",")]
+        for bs in block_sizes:
             for density in [float(x) for x in args.densities.split(",")]:
                 if density >= 1.0:
                     mask, est_ms = causal_block_pairs(n_q, n_k, bs)[None].to(dev), 0.0
@@ -107,11 +135,30 @@ def main() -> None:
                                  "estimate_ms": round(est_ms, 3)})
                     print(f"| {n_k} | triton x{heads or 'd'} | {bs} | {realised:.3f} | {ms:.3f} | "
                           f"{over} | {est_ms:.3f} |")
-    result = {"header": result_header(note=f"{torch.cuda.get_device_name()}, bf16, "
-                                           f"Hq={hq} Hkv={hk} D={d}"), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+                if args.flashinfer == "on" and bs == min(block_sizes):
+                    run = flashinfer_bsr(q, k, v, indptr, indices, bs, scale)
+                    row = {"keys": n_k, "queries": n_q, "path": "flashinfer BSR (one pattern)",
+                           "block_size": bs, "density_asked": density}
+                    try:
+                        if isinstance(run, str):
+                            raise RuntimeError(run)
+                        row["ms"] = round(time_ms(run, args.repeats), 3)
+                        row["fa3_dense_over_it"] = round(fa3_ms / row["ms"], 3) if fa3_ms else None
+                    except Exception as e:  # noqa: BLE001 - recorded in the result
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    print(f"| {n_k} | flashinfer BSR | {bs} | {density} | {row.get('ms')} | "
+                          f"{row.get('fa3_dense_over_it', row.get('error'))} | - |")
+                save(args.out, rows, hq, hk, d)
+    save(args.out, rows, hq, hk, d)
+
+
+def save(path, rows, hq, hk, d) -> None:
+    """The result so far (written after each key count: a run cut short keeps its rows)."""
+    if path:
+        note = f"{torch.cuda.get_device_name()}, bf16, Hq={hq} Hkv={hk} D={d}"
+        with open(path, "w") as f:
+            json.dump({"header": result_header(note=note), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
