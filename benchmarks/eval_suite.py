@@ -34,11 +34,18 @@ Scored with SCBench's retrieval rule (the answer appears in the output).
 
 Sweeps (``--sweep``): ``none`` dense only; ``default`` dense vs UniPrefill at the engine's
 settings (top-p 0.99 unless --engine-kwargs say otherwise); ``top_p`` / ``keep_ratio`` per
-request in one engine; ``block_size`` / ``last_queries`` one engine per value (engine only).
+request in one engine; ``block_size`` / ``last_queries`` one engine per value (engine only);
+``custom`` a list of configurations, each the request knobs it sends (``--sweep-values``: JSON
+objects of ``custom_params``, ';'-separated), e.g. block-sparse attention with and without the
+drops in one engine. A run that attends block-sparse records the realised density (the share of
+causal key blocks attended, ``meta_info``'s ``block_sparse_density``) per case and its mean per
+cell.
 
     python benchmarks/eval_suite.py --out benchmarks/results/eval_smollm2_cpu.json
     python benchmarks/eval_suite.py --sweep top_p --lengths 2048 --depths 0.5 --out top_p.json
     python benchmarks/eval_suite.py --base-url http://127.0.0.1:30000 --lengths 8192,32768
+    python benchmarks/eval_suite.py --sweep custom --sweep-values \
+        '{"uniprefill_block_sparse_top_p": 0.9, "uniprefill_keep_ratio": 1.0};{"uniprefill_block_sparse_top_p": 0.9}'
     python benchmarks/eval_suite.py --tasks niah_number,niah_multiquery,cwe \
         --haystacks noise,prose --seeds reporting:2 --scoring benchmark --shared-tasks kv,niah \
         --out ruler_scbench.json
@@ -61,7 +68,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_header, also when loaded by path
 from result_header import result_header  # noqa: E402
 
-SWEEPS = ("none", "default", "top_p", "keep_ratio", "block_size", "last_queries")
+SWEEPS = ("none", "default", "top_p", "keep_ratio", "block_size", "last_queries", "custom")
 # Values of each sweep (the paper's ablations; top-p 0.9-1.0).
 SWEEP_VALUES = {
     "top_p": (0.9, 0.95, 0.99, 1.0),
@@ -164,7 +171,7 @@ def _result(chunk: Optional[dict], ttft: Optional[float], e2e: float) -> dict:
             "prompt_tokens": meta.get("prompt_tokens"), "cached_tokens": meta.get("cached_tokens"),
             "enabled": up.get("enabled"), "reason": up.get("reason"),
             "kept_tokens": up.get("kept_tokens"), "dropped_mass": up.get("dropped_mass"),
-            "prefix": up.get("prefix")}
+            "prefix": up.get("prefix"), "block_sparse_density": up.get("block_sparse_density")}
 
 
 def _use_cpu_engine() -> bool:
@@ -189,11 +196,14 @@ def resolve_model(model: str) -> str:
 def configs_for(sweep: str, values: Optional[str] = None) -> list[dict]:
     """UniPrefill configurations: name, sweep parameter, value, engine kwargs, custom params.
     ``values`` (';'-separated) replaces the sweep's own; a top-p or keep ratio may be a
-    comma-separated list, one per drop layer (``0.94,0.995;0.92,1.0``)."""
+    comma-separated list, one per drop layer (``0.94,0.995;0.92,1.0``). ``custom`` takes JSON
+    objects, each a configuration's ``custom_params``, named by its knobs."""
     if sweep == "none":
         return []
     if sweep == "default":
         return [{"name": "uniprefill", "param": None, "value": None, "engine": {}, "custom": {}}]
+    if sweep == "custom":
+        return [_custom_config(v) for v in (values or "").split(";") if v.strip()]
     if values is None:
         values = SWEEP_VALUES[sweep]
     else:
@@ -208,6 +218,21 @@ def configs_for(sweep: str, values: Optional[str] = None) -> list[dict]:
             out.append({"name": f"{sweep}={v}", "param": sweep, "value": v, "engine": {},
                         "custom": {f"uniprefill_{sweep}": v}})
     return out
+
+
+def _custom_config(text: str) -> dict:
+    """One ``custom`` configuration: a JSON object of request knobs, checked as the server
+    checks them (request_knobs.py: a typo or a value out of range fails here, not mid-run)."""
+    from uniprefill_sglang.config import UniPrefillConfig
+    from uniprefill_sglang.request_knobs import parse_request_knobs
+
+    custom = json.loads(text)
+    if not isinstance(custom, dict) or not custom:
+        raise ValueError(f"a custom configuration is a non-empty JSON object of custom_params, "
+                         f"got {text!r}")
+    parse_request_knobs(custom, UniPrefillConfig())
+    name = ",".join(f"{k.removeprefix('uniprefill_')}={v}" for k, v in custom.items())
+    return {"name": name, "param": "custom", "value": name, "engine": {}, "custom": custom}
 
 
 def _fraction_or_list(text: str):
@@ -436,6 +461,7 @@ def _cell(rs: Sequence[dict], name: Optional[str]) -> dict:
     dense_ttft = (sum(u.get("dense_ttft_s", r["dense"]["ttft_s"]) for u, r in zip(runs, rs))
                   / len(rs))
     reasons = sorted({u["reason"] for u in runs if u["reason"]})
+    densities = [u["block_sparse_density"] for u in runs if u.get("block_sparse_density")]
     cell.update({
         "uniprefill_correct": up_ok, "uniprefill_acc": up_ok / len(rs),
         "uniprefill_recall": sum(u["recall"] for u in runs) / len(rs),
@@ -445,6 +471,9 @@ def _cell(rs: Sequence[dict], name: Optional[str]) -> dict:
         "uniprefill_ttft_s": up_ttft, "dense_ttft_same_engine_s": dense_ttft,
         "ttft_ratio": dense_ttft / up_ttft,
         "enabled": sum(bool(u["enabled"]) for u in runs), "dense_reasons": reasons,
+        # the mean over the runs that attended block-sparse (None: none did)
+        "block_sparse_density": sum(densities) / len(densities) if densities else None,
+        "block_sparse_n": len(densities),
     })
     return cell
 
@@ -592,16 +621,29 @@ def _as_bench(c: dict) -> dict:
     return c
 
 
-def sweep_markdown(summary: dict, configs: list[dict]) -> str:
+def sweep_markdown(summary: dict, configs: list[dict], scoring: str = "strict") -> str:
+    """One row per config over all cases; ``scoring="benchmark"`` counts by the benchmark's own
+    rule. A block-sparse density column where some config attended block-sparse."""
+    cells = [summary[cfg["name"]]["all"]["all"] for cfg in configs]
+    if scoring == "benchmark":
+        cells = [_as_bench(c) for c in cells]
+    sparse = any(c.get("block_sparse_density") is not None for c in cells)
     lines = ["| setting | cases | dense correct | UniPrefill correct | agreement | kept after "
-             "last drop | kept after each drop | TTFT ratio |", "|---|---|---|---|---|---|---|---|"]
-    for cfg in configs:
-        c = summary[cfg["name"]]["all"]["all"]
+             "last drop | kept after each drop | TTFT ratio |"
+             + (" block-sparse density |" if sparse else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if sparse else "")]
+    for cfg, c in zip(configs, cells):
+        if "uniprefill_correct" not in c:  # every case skipped (dense wrong)
+            lines.append(f"| {cfg['name']} | {c['n']} | {c['dense_correct']} | - | - | - | - "
+                         "| - |" + (" - |" if sparse else ""))
+            continue
         ag = "-" if c["agreement"] is None else f"{c['agree']}/{c['dense_correct']}"
         kept = ", ".join(f"{k:.0%}" for k in c["kept_ratio_per_stage"])
+        density = c.get("block_sparse_density")
         lines.append(f"| {cfg['name']} | {c['n']} | {c['dense_correct']} | "
                      f"{c['uniprefill_correct']} | {ag} | {c['kept_ratio_final']:.0%} | {kept} | "
-                     f"{c['ttft_ratio']:.2f}x |")
+                     f"{c['ttft_ratio']:.2f}x |"
+                     + ((" - |" if density is None else f" {density:.3f} |") if sparse else ""))
     return "\n".join(lines)
 
 
@@ -753,7 +795,10 @@ def parse_args(argv=None):
     ap.add_argument("--sweep", default="default", choices=SWEEPS)
     ap.add_argument("--sweep-values", default=None,
                     help="';'-separated values replacing the sweep's own (top-p 0.9-1.0, ...); "
-                         "a top-p or keep ratio may be one per drop: '0.975;0.94,0.995'")
+                         "a top-p or keep ratio may be one per drop: '0.975;0.94,0.995'; "
+                         "--sweep custom: JSON objects of custom_params, e.g. "
+                         "'{\"uniprefill_block_sparse_top_p\": 0.9, \"uniprefill_keep_ratio\": "
+                         "1.0};{\"uniprefill_block_sparse_top_p\": 0.9}'")
     ap.add_argument("--dense-from", action="append", default=[],
                     help="an earlier result JSON of the same model (repeatable): its dense "
                          "answers are reused for the cases it holds (matched by name, prompt and "
@@ -788,8 +833,10 @@ def main(argv=None) -> dict:
     shared_haystacks = ([h for h in args.shared_haystacks.split(",") if h]
                         if args.shared_haystacks else haystacks)
     if args.sweep_values is not None and args.sweep in ("none", "default"):
-        raise SystemExit("--sweep-values needs a --sweep of top_p, keep_ratio, block_size or "
-                         "last_queries")
+        raise SystemExit("--sweep-values needs a --sweep of top_p, keep_ratio, block_size, "
+                         "last_queries or custom")
+    if args.sweep == "custom" and not (args.sweep_values or "").strip():
+        raise SystemExit("--sweep custom needs its configurations in --sweep-values")
     configs = configs_for(args.sweep, args.sweep_values)
     if shared_tasks and args.sweep in ("none",):
         raise SystemExit("--shared-tasks compares UniPrefill with dense: use a sweep with configs")
@@ -892,7 +939,7 @@ def main(argv=None) -> dict:
         print(markdown(summary, configs[0]["name"] if configs else None, all_lengths, labels,
                        args.scoring))
     else:
-        print(sweep_markdown(summary, configs))
+        print(sweep_markdown(summary, configs, args.scoring))
     for cfg in configs if shared_rows else []:
         print(f"shared context, {cfg['name']} (SCBench's rule):")
         print(shared_markdown(shared_summary, cfg["name"], shared_lengths))

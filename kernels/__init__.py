@@ -11,9 +11,10 @@ Public API (installed as ``uniprefill_sglang.kernels``):
   ``positional_reference.positional_attention_reference``)
 * ``block_sparse_attention(q, k, v, mask, block_size, sm_scale, causal=True, q_offset=None)``:
   one prefill chunk's attention over the key blocks a bool ``mask [Hkv or 1, R, C]`` keeps
-  (the Triton kernel is ``block_sparse_triton.block_sparse_attention_triton``, the reference
-  ``block_sparse_reference.block_sparse_attention_reference``, run in float32 as the CPU
-  path and in float64 as the oracle); the mask comes from
+  (the Triton kernel is ``block_sparse_triton.block_sparse_attention_triton``, the torch path
+  ``block_sparse_reference.block_sparse_attention_gathered`` in float32, which gathers each
+  query block's kept key blocks, and the oracle ``block_sparse_attention_reference`` in
+  float64, which masks dense attention); the mask comes from
   ``block_mask_reference`` (pooled estimate, top_p or fixed density, sink and local blocks)
   and ``block_density`` is the fraction of causal block pairs it keeps
 
@@ -36,6 +37,7 @@ from .block_sparse_reference import (
     block_lists_from_mask,
     block_mask_reference,
     block_mass_estimate,
+    block_sparse_attention_gathered,
     block_sparse_attention_reference,
 )
 from .positional_reference import positional_attention_reference
@@ -63,6 +65,7 @@ __all__ = [
     "block_mass_estimate",
     "block_density",
     "block_lists_from_mask",
+    "block_sparse_attention_gathered",
     "block_sparse_attention_reference",
     "score_tokens_reference",
     "select_tokens_reference",
@@ -270,5 +273,5 @@ def block_sparse_attention(
         from .block_sparse_triton import block_sparse_attention_triton
 
         return block_sparse_attention_triton(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset)
-    return block_sparse_attention_reference(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset,
-                                            compute_dtype=torch.float32).to(q.dtype)
+    return block_sparse_attention_gathered(q, k, v, mask, block_size, sm_scale, causal=causal, q_offset=q_offset,
+                                           compute_dtype=torch.float32).to(q.dtype)

@@ -20,6 +20,7 @@ from uniprefill_sglang.kernels.block_sparse_reference import (  # noqa: E402
     block_lists_from_mask,
     block_mask_reference,
     block_mass_estimate,
+    block_sparse_attention_gathered,
     block_sparse_attention_reference,
     causal_block_pairs,
     forced_blocks,
@@ -227,6 +228,43 @@ def test_public_dispatch(bst):
     assert tri.dtype == ref.dtype == torch.float16
     assert_close(tri, block_sparse_attention_reference(q, k, v, mask, 16, 0.2), *TOL[torch.float16])
     assert_close(ref, block_sparse_attention_reference(q, k, v, mask, 16, 0.2), 1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 5, 1])
+def test_gathered_torch_path_matches_the_reference(seed, shape, block_size):
+    """The CPU path (kept key blocks gathered per query block) computes the oracle's answer:
+    per-KV-head and shared masks, random ones with empty rows (zeros), the estimate's, causal or
+    not, in float32 and from half-precision inputs."""
+    n_q, n_k, hq, hkv, off = shape
+    q, k, v = make_qkv(seed, n_q, n_k, hq, hkv, dv=24)
+    masks = [random_mask(seed, heads, n_q, n_k, block_size, off, p=0.3, keep_diagonal=False)
+             for heads in (hkv, 1)]
+    masks.append(block_mask_reference(q, k, block_size, top_p=0.7, q_offset=off))
+    for mask in masks:
+        for causal in (True, False):
+            ref = block_sparse_attention_reference(q, k, v, mask, block_size, 0.2, causal=causal,
+                                                   q_offset=off)
+            got = block_sparse_attention_gathered(q, k, v, mask, block_size, 0.2, causal=causal,
+                                                  q_offset=off)
+            assert got.dtype == torch.float32 and got.shape == ref.shape
+            assert_close(got, ref, *TOL[torch.float32])
+            assert ((ref == 0).all(-1) == (got == 0).all(-1)).all()  # the same rows read nothing
+    half = [t.to(torch.float16) for t in (q, k, v)]
+    got = K.block_sparse_attention(*half, masks[-1], block_size, 0.2, q_offset=off)
+    assert got.dtype == torch.float16
+    assert_close(got, block_sparse_attention_reference(*half, masks[-1], block_size, 0.2, q_offset=off),
+                 *TOL[torch.float16])
+
+
+@pytest.mark.parametrize("n_q,n_k", [(0, 0), (0, 5), (1, 1), (3, 3), (2, 40)])
+def test_gathered_torch_path_tiny_and_empty_chunks(n_q, n_k):
+    q, k, v = make_qkv(19, n_q, n_k, 2, 1, d=16)
+    mask = block_mask_reference(q, k, 16, top_p=0.5)
+    got = block_sparse_attention_gathered(q, k, v, mask, 16, 0.25)
+    assert got.shape == (n_q, 2, 16)
+    assert_close(got, block_sparse_attention_reference(q, k, v, mask, 16, 0.25), *TOL[torch.float32])
 
 
 # ---------------------------------------------------------------------------

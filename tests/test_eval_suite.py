@@ -119,6 +119,52 @@ def test_sweep_values_replace_a_sweeps_own():
                                              {"uniprefill_last_queries": 64}]
 
 
+def test_custom_configurations_are_the_request_knobs_they_send():
+    suite = load_benchmark("eval_suite")
+    configs = suite.configs_for("custom", '{"uniprefill_block_sparse_top_p": 0.9, '
+                                          '"uniprefill_keep_ratio": 1.0};'
+                                          ' {"uniprefill_block_sparse_top_p": 0.95};')
+    assert [c["custom"] for c in configs] == [
+        {"uniprefill_block_sparse_top_p": 0.9, "uniprefill_keep_ratio": 1.0},
+        {"uniprefill_block_sparse_top_p": 0.95}]
+    assert [c["name"] for c in configs] == ["block_sparse_top_p=0.9,keep_ratio=1.0",
+                                            "block_sparse_top_p=0.95"]
+    assert all(c["engine"] == {} and c["param"] == "custom" for c in configs)
+    # Checked as the server checks them: a typo or a value out of range fails before the run.
+    with pytest.raises(ValueError, match="unknown UniPrefill knob"):
+        suite.configs_for("custom", '{"uniprefill_block_sparse_topp": 0.9}')
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        suite.configs_for("custom", '{"uniprefill_block_sparse_top_p": 0.9, '
+                                    '"uniprefill_block_sparse_density": 0.1}')
+    with pytest.raises(ValueError, match="non-empty JSON object"):
+        suite.configs_for("custom", "0.9")
+
+
+def test_block_sparse_density_is_recorded_and_averaged():
+    suite = load_benchmark("eval_suite")
+    chunk = {"text": " 42", "meta_info": {"prompt_tokens": 9, "uniprefill": [
+        {"enabled": True, "reason": None, "kept_tokens": [9, 9], "dropped_mass": [0.0],
+         "block_sparse_density": 0.25}]}}
+    assert suite._result(chunk, 0.1, 0.2)["block_sparse_density"] == 0.25
+    dense = {"correct": True, "recall": 1.0, "ttft_s": 1.0, "score": 1.0, "bench_correct": True}
+
+    def run(density):
+        return {"correct": True, "recall": 1.0, "ttft_s": 0.5, "score": 1.0,
+                "bench_correct": True, "kept_tokens": [100, 100], "reason": None,
+                "enabled": True, "block_sparse_density": density}
+
+    rows = [{"task": "t", "target_tokens": 100, "n_tokens": 100, "dense": dense,
+             "runs": {"a": run(d), "b": run(None)}} for d in (0.2, 0.4)]
+    configs = [{"name": "a"}, {"name": "b"}]
+    summary = suite.summarize(rows, configs)
+    assert summary["a"]["all"]["all"]["block_sparse_density"] == pytest.approx(0.3)
+    assert summary["a"]["all"]["all"]["block_sparse_n"] == 2
+    assert summary["b"]["all"]["all"]["block_sparse_density"] is None
+    table = suite.sweep_markdown(summary, configs, "benchmark").splitlines()
+    assert table[0].endswith("block-sparse density |")
+    assert table[2].endswith("| 0.300 |") and table[3].endswith("| - |")
+
+
 def test_dense_answers_are_reused_only_for_the_same_cases_run_whole(tmp_path, tokenizer):
     suite = load_benchmark("eval_suite")
     cases = make_cases(tokenizer, ["niah_number", "niah_multikey"], [700], [0.5], [0, 1])
