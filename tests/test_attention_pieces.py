@@ -16,6 +16,7 @@ from uniprefill_sglang import kernels
 from uniprefill_sglang.backends.common import row_piece, stage_keys
 from uniprefill_sglang.context import DropContext, gather_from_sources, gather_in_place
 from uniprefill_sglang.kv_validity import SlotStages
+from uniprefill_sglang.pieces import RowPieces
 
 DROPS = 3
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -80,14 +81,14 @@ def test_row_piece_names_each_requests_rows_in_and_ahead_of_the_piece():
             continue
         start = rng.randrange(total)
         end = rng.randint(start + 1, total)
-        ctx = SimpleNamespace(lens=lens, row_piece=(start, end))
+        ctx = SimpleNamespace(lens=lens, pieces=RowPieces((start, end)))
         piece = row_piece(ctx)
         owner = [b for b, n in enumerate(lens) for _ in range(n)]  # each row's request
         assert piece.rows == slice(start, end)
         assert piece.lens == [owner[start:end].count(b) for b in range(len(lens))]
         assert piece.ahead == [owner[:start].count(b) if piece.lens[b] else 0
                                for b in range(len(lens))]
-        whole = row_piece(SimpleNamespace(lens=lens, row_piece=None))
+        whole = row_piece(SimpleNamespace(lens=lens, pieces=RowPieces()))
         assert (whole.rows, whole.lens, whole.ahead) == (slice(0, total), lens, [0] * len(lens))
 
 
@@ -152,7 +153,7 @@ def test_pieces_attend_as_the_whole_layer_would():
                            k_buf, v_buf, window)
         pieced = torch.empty_like(whole)
         for start, end in _pieces(rng, total):
-            ctx.row_piece = (start, end)
+            ctx.pieces.span = (start, end)
             piece = row_piece(ctx)
             through = [a + n for a, n in zip(piece.ahead, piece.lens)]
             keys = stage_keys(runtime, req_to_token, ctx, stage, through, True)
@@ -166,7 +167,7 @@ def test_pieces_attend_as_the_whole_layer_would():
                     seg = prefix_pos[int(prefix_indptr[b]):int(prefix_indptr[b + 1])]
                     assert bool((seg < ctx.positions[first]).all())
                     first += n
-        ctx.row_piece = None
+        ctx.pieces.span = None
         reference = _dense_reference(q, ctx, req_to_token, runtime, stage, k_buf, v_buf, window)
         for out in (whole, pieced):
             assert not torch.isnan(out).any()

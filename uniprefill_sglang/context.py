@@ -13,13 +13,14 @@ layer's attention). Beside the survivors it carries the per-stage KV the attenti
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from uniprefill_sglang.device import to_device
 from uniprefill_sglang.kv_validity import compact
 from uniprefill_sglang.parking import ParkingStep
+from uniprefill_sglang.pieces import RowPieces
 from uniprefill_sglang.request_plan import BatchPlan
 
 
@@ -57,11 +58,8 @@ class DropContext:
     report: "DropReport" = dataclasses.field(default_factory=lambda: DropReport())
     # Attention adapters' per-forward views (planned once, run by every layer of a stage).
     views: Dict[str, dict] = dataclasses.field(default_factory=dict)
-    # Rows [start, end) of the current survivors that a layer run in pieces is running now
-    # (model_integration.py); None: the whole batch.
-    row_piece: Optional[Tuple[int, int]] = None
-    # Attention sublayers that ran in pieces in this forward (a rejoin reports it).
-    pieced_attention_calls: int = 0
+    # The rows a sublayer run in pieces runs now (pieces.py).
+    pieces: RowPieces = dataclasses.field(default_factory=RowPieces)
 
     @property
     def acts(self) -> bool:

@@ -20,7 +20,8 @@ linear-attention layer's mixer, in position order, and an attention layer's atte
 in row order) runs in pieces of at most the chunk size while the batch is compacted: the rows
 of earlier chunks that rejoin at the final chunk's first drop must not make a step's
 activations there larger than a chunk's. Beyond the rows' hidden state and residual (and, at a
-drop layer, the queries its drop scores with) a step then holds one piece's activations.
+drop layer, the queries its drop scores with) a step then holds one piece's activations
+(pieces.py: the drop context's `pieces` names the rows a piece runs).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.drop import drop
+from uniprefill_sglang.pieces import in_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -235,29 +237,13 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
         out = original(q, k, v, forward_batch, *args, **kwargs)
         ctx = drop_context(forward_batch)
         if ctx is not None and ctx.acts:
-            queries = q_rows if ctx.row_piece is None else _gather_queries(ctx, attn, q_rows)
+            queries = q_rows if ctx.pieces.span is None else ctx.pieces.gather_queries(
+                attn.layer_id, q_rows, ctx.positions.shape[0])
             if queries is not None:
                 drop(runtime, ctx, attn, queries)
         return out
 
     attn.forward = forward
-
-
-def _gather_queries(ctx, attn, q_rows):
-    """A drop layer run in pieces: its queries of every survivor, gathered piece by piece and
-    returned complete at the last piece (None before). The drop reads each request's last
-    queries by row (drop.py), so the layer holds a query row per survivor until it has run."""
-    start, end = ctx.row_piece
-    total = ctx.positions.shape[0]
-    gathered = ctx.views.setdefault("drop_queries", {})
-    queries = gathered.get(attn.layer_id)
-    if queries is None:
-        queries = gathered[attn.layer_id] = q_rows.new_empty((total, q_rows.shape[1]))
-    queries[start:end] = q_rows
-    if end < total:
-        return None
-    del gathered[attn.layer_id]
-    return queries
 
 
 def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
@@ -273,34 +259,15 @@ def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
         if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
             return original(hidden_states, *args, **kwargs)
         runtime.stats.pieced_mlp_calls += 1
-        return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
-                          n, piece_rows)
+        return in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
+                         n, piece_rows)
 
     mlp.forward = forward
 
 
-def _in_pieces(run, n: int, piece_rows: int, ctx=None):
-    """run(start, end) over consecutive pieces of at most `piece_rows` of `n` rows, written into
-    one output; with `ctx`, each piece's rows are named on `ctx.row_piece` while it runs."""
-    out = None
-    try:
-        for start in range(0, n, piece_rows):
-            end = min(n, start + piece_rows)
-            if ctx is not None:
-                ctx.row_piece = (start, end)
-            piece = run(start, end)
-            if out is None:
-                out = piece.new_empty((n,) + tuple(piece.shape[1:]))
-            out[start:end] = piece
-    finally:
-        if ctx is not None:
-            ctx.row_piece = None
-    return out
-
-
 def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
     """A linear-attention mixer over at most `runtime.piece_rows` rows at a time, in position
-    order: the drop context's `row_piece` tells the layer's backend adapter which rows it runs
+    order: the drop context's `pieces.span` tells the layer's backend adapter which rows it runs
     (backends/linear_attention.py), and each piece continues the state the one before it left.
     Its projections, convolution and recurrence then hold a piece's activations, not those of
     every rejoining row."""
@@ -314,8 +281,8 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
                 or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
         runtime.stats.pieced_mixer_calls += 1
-        return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
-                          n, runtime.piece_rows, ctx)
+        return in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
+                         n, runtime.piece_rows, ctx.pieces)
 
     mixer.forward = forward
 
@@ -352,7 +319,7 @@ def _rows(value, dim: int, start: int, end: int):
 def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
     """An attention sublayer after the first drop over at most `runtime.piece_rows` survivors at
     a time, in row order, while the batch is compacted: per piece its projections, KV write,
-    attention and output projection. The drop context's `row_piece` tells the layer's backend
+    attention and output projection. The drop context's `pieces.span` tells the layer's backend
     adapter which rows run (backends/common.py `row_piece`): a piece's queries attend to the
     stage's valid prefix, their request's rows in earlier pieces (whose KV those pieces wrote)
     and, causally, the piece's own rows, which is what the whole sublayer's would see."""
@@ -368,7 +335,7 @@ def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
                 or hidden_states.shape[0] <= runtime.piece_rows
                 or hidden_states.shape[0] != ctx.positions.shape[0]):
             return original(*args, **kwargs)
-        ctx.pieced_attention_calls += 1
+        ctx.pieces.attention_calls += 1
 
         def run(start, end):
             piece = signature.bind(*args, **kwargs)
@@ -377,7 +344,7 @@ def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
                     piece.arguments[arg] = _rows(piece.arguments[arg], dim, start, end)
             return original(*piece.args, **piece.kwargs)
 
-        return _in_pieces(run, hidden_states.shape[0], runtime.piece_rows, ctx)
+        return in_pieces(run, hidden_states.shape[0], runtime.piece_rows, ctx.pieces)
 
     setattr(owner, name, forward)
 

@@ -105,7 +105,7 @@ def rejoin_record(ctx, cost: Optional["RejoinCost"], previous: Optional[dict],
         peak = int(torch.cuda.max_memory_allocated(ctx.out_cache_loc.device)
                    - ctx.parking.allocated_at_start)
     return {"number": previous["number"] + 1 if previous else 1, "rows": int(rows),
-            "pieced_attention_calls": ctx.pieced_attention_calls, "peak_bytes": peak,
+            "pieced_attention_calls": ctx.pieces.attention_calls, "peak_bytes": peak,
             "priced_bytes": cost.count(0, rows, piece_rows) if cost is not None else None}
 
 

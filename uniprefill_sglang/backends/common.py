@@ -6,7 +6,7 @@ KV write, the prefix view, and the sliding-window layers after a drop, which eve
 serves with `kernels.positional_attention`). The views themselves are built by kv_validity.py.
 
 An attention layer after a drop may run its survivors in pieces (model_integration.py,
-`ctx.row_piece`): a piece's queries see what the unpieced layer's would, the stage's valid
+`ctx.pieces.span`): a piece's queries see what the unpieced layer's would, the stage's valid
 prefix, their request's rows ahead of the piece (written by earlier pieces) and, causally, the
 piece's own rows (`row_piece`, `stage_keys`)."""
 
@@ -244,11 +244,11 @@ def piece_members(lens, fixed_lens, piece):
 
 
 class RowPiece(NamedTuple):
-    """The survivors an attention layer's call runs: all of them, or the piece `ctx.row_piece` of
-    a sublayer run in pieces. Per request in batch order: its rows in the piece (0 where it has
-    none) and its rows ahead of the piece, whose KV earlier pieces wrote at this layer and which
-    its rows in the piece attend to after the stage's valid prefix (0 for a request without rows
-    in the piece: it attends to nothing)."""
+    """The survivors an attention layer's call runs: all of them, or the piece
+    `ctx.pieces.span` of a sublayer run in pieces. Per request in batch order: its rows in the
+    piece (0 where it has none) and its rows ahead of the piece, whose KV earlier pieces wrote
+    at this layer and which its rows in the piece attend to after the stage's valid prefix (0
+    for a request without rows in the piece: it attends to nothing)."""
     rows: slice  # of the survivors (`ctx.positions`, `ctx.out_cache_loc`)
     lens: List[int]
     ahead: List[int]
@@ -262,13 +262,13 @@ class RowPiece(NamedTuple):
 
 def row_piece(ctx) -> RowPiece:
     bs = len(ctx.lens)
-    if ctx.row_piece is None:
+    if ctx.pieces.span is None:
         return RowPiece(slice(0, sum(ctx.lens)), list(ctx.lens), [0] * bs)
-    members, rows, ahead = piece_members(ctx.lens, [0] * bs, ctx.row_piece)
+    members, rows, ahead = piece_members(ctx.lens, [0] * bs, ctx.pieces.span)
     lens, before = [0] * bs, [0] * bs
     for b, n, a in zip(members, rows, ahead):
         lens[b], before[b] = n, a
-    return RowPiece(slice(*ctx.row_piece), lens, before)
+    return RowPiece(slice(*ctx.pieces.span), lens, before)
 
 
 class StateLayerRows(NamedTuple):
@@ -284,7 +284,7 @@ class StateLayerRows(NamedTuple):
 
 def state_layer_rows(ctx, slots: torch.Tensor) -> StateLayerRows:
     """`slots`: every request's state slot, as upstream's metadata holds them."""
-    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
+    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.pieces.span)
     query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
     if ctx.parking.parked_now:
@@ -305,7 +305,7 @@ def extend_qo_indptr(ctx, stage: int) -> torch.Tensor:
     offsets: its survivors (`ctx.lens`, which each drop shrinks), or its rows in the current
     piece (`row_piece`). Built once per stage and piece per forward."""
     cache = view_cache(ctx, "qo_indptr")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     qo_indptr = cache.get(key)
     if qo_indptr is None:
         qo_indptr = _offsets(row_piece(ctx).lens, ctx.forward_batch.req_pool_indices.device)
@@ -367,7 +367,7 @@ def window_extend_keys(runtime, req_to_token, ctx, stage: int):
     as (qo_indptr, kv_indptr, kv_indices, kv_pos), the slots in the stage's pool and their
     original positions. Built once per stage and piece per forward."""
     cache = view_cache(ctx, "window_extend_keys")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     keys = cache.get(key)
     if keys is not None:
         return keys

@@ -86,7 +86,7 @@ def page_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, width: int) ->
 def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
     """The `_VIEW_FIELDS` values of `stage` for the rows this call runs."""
     cache = view_cache(ctx, "_uniprefill_fa3_views")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     view = cache.get(key)
     if view is not None:
         return view

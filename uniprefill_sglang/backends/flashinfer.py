@@ -308,7 +308,7 @@ def _ragged_wrapper(backend, ctx, stage: int, cache: dict):
 def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     """Plan (once per stage per forward) the wrappers of `stage`. Lengths come from the host:
     the prefix's valid KV at this stage (counted when the forward began) and the rows alive."""
-    if ctx.row_piece is not None:
+    if ctx.pieces.span is not None:
         return _plan_piece_view(backend, runtime, ctx, stage)
     cache = view_cache(ctx, "_uniprefill_fi_views")
     view = cache.get(stage)

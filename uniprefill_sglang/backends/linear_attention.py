@@ -15,7 +15,7 @@ linear layer of a later stage runs with those fields describing them:
   at the first drop, so no row reached this layer before;
 * a chunk that parks in this forward goes on with one row (the logits SGLang expects, then
   discarded): its state slot is left alone (index -1, which the kernels skip).
-* a mixer run in pieces (model_integration.py, `ctx.row_piece`) sees the requests with rows
+* a mixer run in pieces (model_integration.py, `ctx.pieces.span`) sees the requests with rows
   in the piece, each starting from its slot's state where its earlier rows passed before.
 
 Decode steps and the layers before the first drop run upstream code unchanged. The torch
@@ -49,7 +49,7 @@ def survivors_view(ctx, metadata, fb, stage: int):
     forward (the rows change only at a drop). A request continues from its slot's state where
     rows of it passed through the layer before: in earlier forwards, or in earlier pieces."""
     cache = view_cache(ctx, "_uniprefill_gdn_views")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     if key in cache:
         return cache[key]
     layout = state_layer_rows(ctx, metadata.mamba_cache_indices)

@@ -57,7 +57,7 @@ def conv_state_metadata(original, backend, layer_id, forward_batch, *args, **kwa
         return meta
     cache = view_cache(ctx, "_uniprefill_short_conv")
     stage = runtime.stages.stage(layer_id)
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     fields = cache.get(key)
     if fields is None:
         fields = cache[key] = _survivor_fields(ctx, meta)

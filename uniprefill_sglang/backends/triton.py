@@ -123,7 +123,7 @@ ADAPTER = TritonAdapter()
 # ---- extend ----------------------------------------------------------------------------------
 def _extend_view(backend, runtime, ctx, stage: int):
     cache = view_cache(ctx, "_uniprefill_triton_views")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     view = cache.get(key)
     if view is not None:
         return view
