@@ -141,23 +141,24 @@ def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape, call: LayerCall
             call.ctx = None
 
     def on_survivors(ctx, args, kwargs):
-        if ctx is None or not ctx.compacted:
+        if ctx is None or not ctx.survivors.compacted:
             return original(*args, **kwargs)
+        survivors = ctx.survivors
         bound = signature.bind(*args, **kwargs)
         inputs = bound.arguments
         if inputs.get("residual") is not None:
-            inputs["hidden_states"], inputs["residual"] = ctx.apply_pending(
-                inputs["hidden_states"], inputs["residual"])
-        ctx.finish_pending()
+            inputs["hidden_states"], inputs["residual"] = survivors.apply_pending(
+                inputs["hidden_states"], inputs["residual"], ctx.parking)
+        survivors.finish_pending()
         # A layer may take the positions by name or through **kwargs (Qwen3-Next's linear
         # layers, which do not use them).
         named = inputs if "positions" in inputs else _var_keywords(signature, inputs)
         positions = named.get("positions")
         if positions is not None:  # [n] (Llama) or [1, n] (Gemma 3)
-            named["positions"] = ctx.positions.reshape(*positions.shape[:-1], -1)
+            named["positions"] = survivors.positions.reshape(*positions.shape[:-1], -1)
         for name, module in position_inputs:
             if inputs.get(name) is not None and module is not None:
-                inputs[name] = _survivor_position_input(ctx, name, module,
+                inputs[name] = _survivor_position_input(survivors, name, module,
                                                         inputs["hidden_states"])
         return original(*bound.args, **bound.kwargs)
 
@@ -172,13 +173,13 @@ def _var_keywords(signature, inputs) -> dict:
     return {}
 
 
-def _survivor_position_input(ctx, name, module, hidden_states):
+def _survivor_position_input(survivors, name, module, hidden_states):
     """A per-forward position input (RoPE cos/sin) for the current survivors, computed once per
     drop and shared by the layers after it."""
-    cache = ctx.views.setdefault("position_inputs", {})
+    cache = survivors.position_inputs
     hit = cache.get(name)
-    if hit is None or hit[0] is not ctx.positions:
-        hit = (ctx.positions, module(hidden_states, ctx.positions.unsqueeze(0)))
+    if hit is None or hit[0] is not survivors.positions:
+        hit = (survivors.positions, module(hidden_states, survivors.positions.unsqueeze(0)))
         cache[name] = hit
     return hit[1]
 
@@ -191,9 +192,10 @@ def _wrap_residual_norm(norm: nn.Module, runtime, first_drop: bool, call: LayerC
         ctx = call.ctx
         if first_drop and residual is not None:
             _save_checkpoint(runtime, ctx, hidden_states, residual)
-        if ctx is not None and ctx.pending_rows is not None and residual is not None:
-            hidden_states, residual = ctx.apply_pending(hidden_states, residual)
-            ctx.finish_pending()
+        if ctx is not None and ctx.survivors.pending_rows is not None and residual is not None:
+            hidden_states, residual = ctx.survivors.apply_pending(hidden_states, residual,
+                                                                  ctx.parking)
+            ctx.survivors.finish_pending()
         return original(hidden_states, residual, *args, **kwargs)
 
     norm.forward = forward
@@ -238,7 +240,7 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
         ctx = drop_context(forward_batch)
         if ctx is not None and ctx.acts:
             queries = q_rows if ctx.pieces.span is None else ctx.pieces.gather_queries(
-                attn.layer_id, q_rows, ctx.positions.shape[0])
+                attn.layer_id, q_rows, ctx.survivors.positions.shape[0])
             if queries is not None:
                 drop(runtime, ctx, attn, queries)
         return out
@@ -256,11 +258,12 @@ def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
     def forward(hidden_states, *args, **kwargs):
         ctx = call.ctx
         n = hidden_states.shape[0]
-        if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
+        if (ctx is None or not ctx.survivors.compacted or n <= piece_rows
+                or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
         runtime.stats.pieced_mlp_calls += 1
         return in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
-                         n, piece_rows)
+                          n, piece_rows)
 
     mlp.forward = forward
 
@@ -277,8 +280,8 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
     def forward(hidden_states, *args, **kwargs):
         ctx = call.ctx
         n = hidden_states.shape[0]
-        if (ctx is None or not ctx.is_extend or not ctx.compacted or n <= runtime.piece_rows
-                or hidden_states.dim() != 2):
+        if (ctx is None or not ctx.is_extend or not ctx.survivors.compacted
+                or n <= runtime.piece_rows or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
         runtime.stats.pieced_mixer_calls += 1
         return in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
@@ -330,10 +333,10 @@ def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
     def forward(*args, **kwargs):
         ctx = call.ctx
         hidden_states = signature.bind(*args, **kwargs).arguments.get("hidden_states")
-        if (ctx is None or not ctx.is_extend or not ctx.compacted
+        if (ctx is None or not ctx.is_extend or not ctx.survivors.compacted
                 or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2
                 or hidden_states.shape[0] <= runtime.piece_rows
-                or hidden_states.shape[0] != ctx.positions.shape[0]):
+                or hidden_states.shape[0] != ctx.survivors.positions.shape[0]):
             return original(*args, **kwargs)
         ctx.pieces.attention_calls += 1
 
