@@ -20,7 +20,7 @@ def _not_after_a_drop(original, forward_batch, *args, **kwargs):
     from uniprefill_sglang.context import drop_context
 
     ctx = drop_context(forward_batch)
-    if ctx is not None and ctx.compacted:
+    if ctx is not None and ctx.survivors.compacted:
         return False
     return original(forward_batch, *args, **kwargs)
 

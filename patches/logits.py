@@ -27,14 +27,16 @@ def _logits_forward(original, processor, input_ids, hidden_states, lm_head, logi
     if ctx is None or not ctx.is_extend or ctx.plan is None:
         return original(processor, input_ids, hidden_states, lm_head, logits_metadata,
                         *args, **kwargs)
-    if ctx.compacted:
+    if ctx.survivors.compacted:
         if isinstance(logits_metadata, ForwardBatch):
             logits_metadata = LogitsMetadata.from_forward_batch(logits_metadata)
-        own = ctx.own_rows()
+        survivors, rejoined_whole = ctx.survivors, ctx.parking.rejoined_whole
+        own = survivors.own_rows(rejoined_whole)
         if own is not None:  # rows that rejoined whole are not this step's tokens
             hidden_states = hidden_states.index_select(0, own)
-        logits_metadata.extend_seq_lens = to_device(
-            ctx.own_lens(), logits_metadata.extend_seq_lens.dtype, hidden_states.device)
+        logits_metadata.extend_seq_lens = to_device(survivors.own_lens(rejoined_whole),
+                                                    logits_metadata.extend_seq_lens.dtype,
+                                                    hidden_states.device)
     output = original(processor, input_ids, hidden_states, lm_head, logits_metadata,
                       *args, **kwargs)
     from uniprefill_sglang.backends import block_sparse

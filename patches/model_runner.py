@@ -264,7 +264,7 @@ def _uniprefill_acted(ctx) -> bool:
     its failure may be ours)?"""
     if ctx.acts or (ctx.plan is not None and ctx.plan.any_block_sparse):
         return True
-    return bool(ctx.sparse) and any(ctx.sparse)
+    return bool(ctx.kv.sparse) and any(ctx.kv.sparse)
 
 
 _RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"

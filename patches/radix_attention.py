@@ -14,7 +14,7 @@ def _no_padding_after_a_drop(original, q, forward_batch, *args, **kwargs):
     from uniprefill_sglang.context import drop_context
 
     ctx = drop_context(forward_batch)
-    if ctx is not None and ctx.compacted:
+    if ctx is not None and ctx.survivors.compacted:
         return None
     return original(q, forward_batch, *args, **kwargs)
 

@@ -14,8 +14,10 @@ import torch
 
 from uniprefill_sglang import kernels
 from uniprefill_sglang.backends.common import row_piece, stage_keys
-from uniprefill_sglang.context import DropContext, gather_from_sources, gather_in_place
-from uniprefill_sglang.kv_validity import SlotStages
+from uniprefill_sglang.context import (DropContext, Survivors, gather_from_sources,
+                                       gather_in_place)
+from uniprefill_sglang.kv_validity import ForwardKV, SlotStages
+from uniprefill_sglang.pieces import RowPieces
 
 DROPS = 3
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -46,8 +48,10 @@ def _batch(rng: random.Random):
         prefix_valid.append([prefix] + [int((stage >= s).sum()) for s in range(1, DROPS + 1)])
     fb = SimpleNamespace(req_pool_indices=torch.arange(bs))
     ctx = DropContext(plan=None, forward_batch=fb, is_extend=True,
-                      positions=torch.tensor(positions), out_cache_loc=torch.cat(survivors),
-                      lens=lens, fixed_lens=fixed, prefix_valid=prefix_valid, compacted=True)
+                      survivors=Survivors(positions=torch.tensor(positions),
+                                          out_cache_loc=torch.cat(survivors), lens=lens,
+                                          fixed_lens=fixed, compacted=True),
+                      kv=ForwardKV(prefix_valid=prefix_valid))
     runtime = SimpleNamespace(slots=slots, check_kv_lens=True)
     return runtime, ctx, req_to_token
 
@@ -61,12 +65,12 @@ def _reference_keys(runtime, ctx, req_to_token, stage: int, through):
     """Per request: (slots, positions) of its prefix valid at `stage`, then of its first
     `through[b]` survivors, read one request at a time."""
     out, start = [], 0
-    for b, n in enumerate(ctx.lens):
-        prefix = req_to_token[b, : ctx.fixed_lens[b]].to(torch.int64)
+    for b, n in enumerate(ctx.survivors.lens):
+        prefix = req_to_token[b, : ctx.survivors.fixed_lens[b]].to(torch.int64)
         valid = runtime.slots.slot_stage[prefix] >= stage
         rows = slice(start, start + through[b])
-        out.append((torch.cat([prefix[valid], ctx.out_cache_loc[rows].to(torch.int64)]),
-                    torch.cat([torch.nonzero(valid).flatten(), ctx.positions[rows]])))
+        out.append((torch.cat([prefix[valid], ctx.survivors.out_cache_loc[rows].to(torch.int64)]),
+                    torch.cat([torch.nonzero(valid).flatten(), ctx.survivors.positions[rows]])))
         start += n
     return out
 
@@ -80,14 +84,14 @@ def test_row_piece_names_each_requests_rows_in_and_ahead_of_the_piece():
             continue
         start = rng.randrange(total)
         end = rng.randint(start + 1, total)
-        ctx = SimpleNamespace(lens=lens, row_piece=(start, end))
+        ctx = SimpleNamespace(survivors=Survivors(lens=lens), pieces=RowPieces((start, end)))
         piece = row_piece(ctx)
         owner = [b for b, n in enumerate(lens) for _ in range(n)]  # each row's request
         assert piece.rows == slice(start, end)
         assert piece.lens == [owner[start:end].count(b) for b in range(len(lens))]
         assert piece.ahead == [owner[:start].count(b) if piece.lens[b] else 0
                                for b in range(len(lens))]
-        whole = row_piece(SimpleNamespace(lens=lens, row_piece=None))
+        whole = row_piece(SimpleNamespace(survivors=Survivors(lens=lens), pieces=RowPieces()))
         assert (whole.rows, whole.lens, whole.ahead) == (slice(0, total), lens, [0] * len(lens))
 
 
@@ -95,9 +99,9 @@ def test_stage_keys_list_the_valid_prefix_then_the_first_survivors():
     rng = random.Random()
     for _ in range(50):
         runtime, ctx, req_to_token = _batch(rng)
-        ctx.views.clear()
+        ctx.kv.views.clear()
         stage = rng.randint(1, DROPS)
-        through = [rng.randint(0, n) for n in ctx.lens]
+        through = [rng.randint(0, n) for n in ctx.survivors.lens]
         kv_indptr, kv_indices, kv_pos = stage_keys(runtime, req_to_token, ctx, stage, through,
                                                    positions=True)
         for b, (ref_slots, ref_pos) in enumerate(
@@ -117,14 +121,14 @@ def _attention(q, q_pos, q_lens, keys, k_buf, v_buf, window):
 
 def _dense_reference(q, ctx, req_to_token, runtime, stage, k_buf, v_buf, window):
     """Each survivor's attention over the keys visible to it, in float64, one query at a time."""
-    keys = _reference_keys(runtime, ctx, req_to_token, stage, ctx.lens)
+    keys = _reference_keys(runtime, ctx, req_to_token, stage, ctx.survivors.lens)
     out, start = [], 0
-    for b, n in enumerate(ctx.lens):
+    for b, n in enumerate(ctx.survivors.lens):
         slots, pos = keys[b]
         k = k_buf[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
         v = v_buf[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
         for i in range(start, start + n):
-            p = ctx.positions[i]
+            p = ctx.survivors.positions[i]
             seen = (pos <= p) & ((pos >= p - window) if window >= 0 else True)
             logits = torch.einsum("hd,khd->hk", q[i].double(), k[seen]) * DIM ** -0.5
             out.append(torch.einsum("hk,khd->hd", torch.softmax(logits, -1), v[seen]))
@@ -142,31 +146,32 @@ def test_pieces_attend_as_the_whole_layer_would():
         runtime, ctx, req_to_token = _batch(rng)
         stage = rng.randint(1, DROPS)
         window = rng.choice((-1, -1, rng.randint(0, 80)))
-        total = sum(ctx.lens)
+        total = sum(ctx.survivors.lens)
         q = torch.randn(total, HEADS, DIM)
         k_buf = torch.randn(runtime.slots.num_slots, KV_HEADS, DIM)
         v_buf = torch.randn(runtime.slots.num_slots, KV_HEADS, DIM)
-        ctx.views.clear()
-        whole = _attention(q, ctx.positions, ctx.lens,
-                           stage_keys(runtime, req_to_token, ctx, stage, ctx.lens, True),
+        ctx.kv.views.clear()
+        survivors = ctx.survivors
+        whole = _attention(q, survivors.positions, survivors.lens,
+                           stage_keys(runtime, req_to_token, ctx, stage, survivors.lens, True),
                            k_buf, v_buf, window)
         pieced = torch.empty_like(whole)
         for start, end in _pieces(rng, total):
-            ctx.row_piece = (start, end)
+            ctx.pieces.span = (start, end)
             piece = row_piece(ctx)
             through = [a + n for a, n in zip(piece.ahead, piece.lens)]
             keys = stage_keys(runtime, req_to_token, ctx, stage, through, True)
-            pieced[start:end] = _attention(q[start:end], ctx.positions[start:end], piece.lens,
-                                           keys, k_buf, v_buf, window)
+            pieced[start:end] = _attention(q[start:end], survivors.positions[start:end],
+                                           piece.lens, keys, k_buf, v_buf, window)
             prefix_indptr, _, prefix_pos = stage_keys(runtime, req_to_token, ctx, stage,
                                                       piece.ahead, True)
             first = start
             for b, n in enumerate(piece.lens):
                 if n:
                     seg = prefix_pos[int(prefix_indptr[b]):int(prefix_indptr[b + 1])]
-                    assert bool((seg < ctx.positions[first]).all())
+                    assert bool((seg < survivors.positions[first]).all())
                     first += n
-        ctx.row_piece = None
+        ctx.pieces.span = None
         reference = _dense_reference(q, ctx, req_to_token, runtime, stage, k_buf, v_buf, window)
         for out in (whole, pieced):
             assert not torch.isnan(out).any()

@@ -11,9 +11,11 @@ import torch
 
 from uniprefill_sglang.backends import block_sparse
 from uniprefill_sglang.config import build_config
+from uniprefill_sglang.context import Survivors
 from uniprefill_sglang.kernels import (block_density, block_mask_reference,
                                        block_sparse_attention_reference)
 from uniprefill_sglang.kernels.block_sparse_reference import causal_block_pairs
+from uniprefill_sglang.kv_validity import ForwardKV
 from uniprefill_sglang.request_plan import BatchPlan, RequestDecision
 
 SEEDS = [0, 1, 2]
@@ -68,7 +70,8 @@ def test_causal_pairs_counts_the_reference_grid(n_q, n_k, bs):
 
 def _ctx(decisions, fixed_lens, lens):
     notes = {}
-    return types.SimpleNamespace(plan=BatchPlan(decisions), fixed_lens=fixed_lens, lens=lens,
+    return types.SimpleNamespace(plan=BatchPlan(decisions),
+                                 survivors=Survivors(lens=lens, fixed_lens=fixed_lens),
                                  note=lambda b, why: notes.__setitem__(b, why), notes=notes)
 
 
@@ -123,11 +126,11 @@ def test_a_failed_block_sparse_forward_is_ours_and_its_dense_rerun_attends_dense
     from uniprefill_sglang.patches.model_runner import _uniprefill_acted
 
     plan = BatchPlan([_decision("a"), _decision("b", None)])
-    ctx = types.SimpleNamespace(acts=False, sparse=None, plan=plan)
+    ctx = types.SimpleNamespace(acts=False, kv=ForwardKV(), plan=plan)
     assert _uniprefill_acted(ctx)
     dense = plan.all_dense("UniPrefill error, re-prefilled dense: x")
     assert [d.block_sparse for d in dense.decisions] == [None, None]
-    assert not _uniprefill_acted(types.SimpleNamespace(acts=False, sparse=None, plan=dense))
+    assert not _uniprefill_acted(types.SimpleNamespace(acts=False, kv=ForwardKV(), plan=dense))
     assert not block_sparse.plan_step(_runtime(build_config(
         top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
         drop_layers=None, min_prompt_tokens=0, block_sparse_density=0.3)),

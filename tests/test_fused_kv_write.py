@@ -47,7 +47,7 @@ def test_the_switch_is_off_only_after_a_drop(compacted):
 
     batch = SimpleNamespace(uniprefill_inputs=ForwardInputs(req_rows=None))
     ctx = DropContext(plan=None, forward_batch=batch, is_extend=True)
-    ctx.compacted = compacted
+    ctx.survivors.compacted = compacted
     batch.uniprefill_inputs.drop_context = ctx
     assert fused_kv_write._not_after_a_drop(original, batch) is (not compacted)
     assert calls == ([] if compacted else [batch])

@@ -27,14 +27,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from uniprefill_sglang import kernels
 import gemma3_reference as ref
-from uniprefill_sglang.context import DropContext
+from uniprefill_sglang.context import Survivors
 from uniprefill_sglang.tools.cpu_engine import (
     flush_cache,
     idle_state,
@@ -269,8 +268,7 @@ def runs(request, model_dir, model, tmp_path_factory):
 
 def _digest(positions) -> int:
     """The fingerprint `kept_digest` reports for a request that kept `positions`."""
-    one = SimpleNamespace(positions=torch.tensor(positions), lens=[len(positions)])
-    return DropContext.position_digest(one)[0]
+    return Survivors(positions=torch.tensor(positions), lens=[len(positions)]).position_digest()[0]
 
 
 def _meta(out) -> dict:

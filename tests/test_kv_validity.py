@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from uniprefill_sglang.backends.common import decode_stage_kv_lens, prefix_view
+from uniprefill_sglang.context import Survivors
 from uniprefill_sglang.errors import CheckFailed
-from uniprefill_sglang.kv_validity import KVGaps, RequestStageKV, SlotStages, check_kv_lens, \
-    compact, gather_seq_slots, stage_views, window_views
+from uniprefill_sglang.kv_validity import ForwardKV, KVGaps, RequestStageKV, SlotStages, \
+    check_kv_lens, compact, gather_seq_slots, stage_views, window_views
 
 NUM_DROPS = 4
 
@@ -65,7 +66,7 @@ def test_decode_views_hold_what_the_host_lengths_say(seed):
     all_rows = torch.cat([rows, rows[:1].expand(pad)])
     all_lens = torch.cat([lens, torch.full((pad,), 3, dtype=torch.int64)])
     fb = SimpleNamespace(seq_lens_cpu=all_lens.to(torch.int32), seq_lens=all_lens)
-    ctx = SimpleNamespace(kv_gaps=[gaps.get(r) for r in rows.tolist()])
+    ctx = SimpleNamespace(kv=ForwardKV(gaps=[gaps.get(r) for r in rows.tolist()]))
     host = decode_stage_kv_lens(ctx, fb, bs + pad, NUM_DROPS)
     n = int(all_lens.sum())
     out = torch.full((NUM_DROPS, n + 5), -9, dtype=torch.int64)  # poisoned static buffers
@@ -97,7 +98,7 @@ def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
     runtime = SimpleNamespace(slots=stages, check_kv_lens=True)
     host = [[_valid_loop(stages, req_to_token, int(r), f, stage)
              for stage in range(NUM_DROPS + 1)] for r, f in zip(rows.tolist(), fixed)]
-    ctx = SimpleNamespace(fixed_lens=fixed, prefix_valid=host, views={})
+    ctx = SimpleNamespace(survivors=Survivors(fixed_lens=fixed), kv=ForwardKV(prefix_valid=host))
     for stage in range(1, NUM_DROPS + 1):
         counts, indptr, indices = prefix_view(runtime, req_to_token, fb, ctx, stage)
         assert counts.tolist() == [h[stage] for h in host]
@@ -106,8 +107,8 @@ def test_prefix_views_hold_the_valid_slots_before_each_requests_first_row(seed):
             want = seq[stages.slot_stage[seq] >= stage].tolist()
             assert indices[indptr[b]:indptr[b + 1]].tolist() == want
     # A host count the slot map contradicts is refused.
-    ctx = SimpleNamespace(fixed_lens=fixed, prefix_valid=[[n + 1 for n in h] for h in host],
-                          views={})
+    ctx = SimpleNamespace(survivors=Survivors(fixed_lens=fixed),
+                          kv=ForwardKV(prefix_valid=[[n + 1 for n in h] for h in host]))
     with pytest.raises(CheckFailed, match="extend prefix stage 1"):
         prefix_view(runtime, req_to_token, fb, ctx, 2)
 

@@ -1,106 +1,75 @@
 """The per-forward drop context: what the layers after a drop need to know.
 
-One `DropContext` lives for one `ModelRunner` forward. It starts with every token of the batch
-and shrinks at each drop layer: `positions` and `out_cache_loc` hold the surviving rows in batch
-order, `lens` the surviving rows per request, and `pending_rows` the rows that the hidden states
-and residual still have to be gathered to (applied by the layer hooks right after the drop
-layer's attention). Beside the survivors it carries the per-stage KV the attention adapters read
-(`sparse`, `prefix_valid`, `kv_gaps`, their `views`), the parking step of chunked prefill
-(`parking`, parking.ParkingStep) and what the forward reports per request (`report`,
-`DropReport`, read by patches/logits.py into meta_info).
+One `DropContext` lives for one `ModelRunner` forward; the layer hooks and attention adapters
+reach it through the batch they are given (`drop_context`). Beside the forward's inputs (`plan`,
+`forward_batch`, `is_extend`) it holds one part per concern, each defined by the module that
+writes it:
+
+* `survivors` (`Survivors`, here): the rows an extend carries on. They start as every token of
+  the batch and shrink at each drop layer: `positions` and `out_cache_loc` hold the surviving
+  rows in batch order, `lens` the surviving rows per request, and `pending_rows` the rows that
+  the hidden states and residual still have to be gathered to (applied by the layer hooks right
+  after the drop layer's attention, `apply_pending`);
+* `kv` (kv_validity.ForwardKV): the KV each request holds per stage, which the attention
+  adapters read (`sparse`, `prefix_valid`, decode's `gaps`), and their per-forward `views`;
+* `parking` (parking.ParkingStep): what the forward does to chunked prefill's parked rows, the
+  rows rejoining at the first drop included;
+* `prefixes` (prefix_reuse.MovedPrefixes): cached prefixes moved to private slots, which a
+  failed forward points back;
+* `pieces` (pieces.RowPieces): the rows a sublayer run in pieces runs now;
+* `report` (`DropReport`, here): what the forward reports per request, read by
+  patches/logits.py into meta_info.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from uniprefill_sglang.device import to_device
-from uniprefill_sglang.kv_validity import compact
+from uniprefill_sglang.kv_validity import ForwardKV, compact
 from uniprefill_sglang.parking import ParkingStep
+from uniprefill_sglang.pieces import RowPieces
+from uniprefill_sglang.prefix_reuse import MovedPrefixes
 from uniprefill_sglang.request_plan import BatchPlan
 
 
 @dataclasses.dataclass
-class DropContext:
-    plan: Optional[BatchPlan]
-    forward_batch: object
-    is_extend: bool
-    # Current surviving rows (extend only).
+class Survivors:
+    """The rows of an extend that go on through the layers: every token of the batch until the
+    first drop, then each drop's survivors (unset in a decode forward)."""
+    # The surviving rows in batch order (their positions and KV slots), and how many per request.
     positions: Optional[torch.Tensor] = None
     out_cache_loc: Optional[torch.Tensor] = None
     lens: Optional[List[int]] = None
     # Per request: tokens before its first current row (a cached prefix), never dropped here.
     fixed_lens: Optional[List[int]] = None
-    # Per request: does it hold KV missing in some layer (sparse prefix or a drop this step)?
-    sparse: Optional[List[bool]] = None
-    # Extend, per request and stage 0..D: slots of its cached prefix holding KV for that stage.
-    prefix_valid: Optional[List[List[int]]] = None
-    # Decode, per request: the KV it lacks at stages 1..D (host mirror, kv_validity.KVGaps).
-    kv_gaps: Optional[List[tuple]] = None
     # Rows the hidden states must be gathered to, and the row count they have before it.
     pending_rows: Optional[torch.Tensor] = None
     rows_before_pending: int = 0
     compacted: bool = False
-    # Rows parked by earlier chunks joining at the first drop (gathered after the current
-    # rows), and dense requests whose earlier rows rejoined whole: b -> rows ahead of its own
-    # (the logits see its own rows only, as a dense step's would: patches/logits.py).
-    extra_hidden: Optional[List[torch.Tensor]] = None
-    extra_residual: Optional[List[torch.Tensor]] = None
-    rejoined_whole: Dict[int, int] = dataclasses.field(default_factory=dict)
-    # Per request with a cached prefix whose slots moved to private ones: b -> (req-pool row,
-    # shared slots) (prefix_reuse.py; a failed forward points it back).
-    moved_prefixes: Dict[int, tuple] = dataclasses.field(default_factory=dict)
-    parking: ParkingStep = dataclasses.field(default_factory=ParkingStep)
-    report: "DropReport" = dataclasses.field(default_factory=lambda: DropReport())
-    # Attention adapters' per-forward views (planned once, run by every layer of a stage).
-    views: Dict[str, dict] = dataclasses.field(default_factory=dict)
-    # Rows [start, end) of the current survivors that a layer run in pieces is running now
-    # (model_integration.py); None: the whole batch.
-    row_piece: Optional[Tuple[int, int]] = None
-    # Attention sublayers that ran in pieces in this forward (a rejoin reports it).
-    pieced_attention_calls: int = 0
+    # Layer input name -> (the positions it was computed for, the input): the survivors' position
+    # inputs (RoPE cos/sin), computed once per drop and shared by the layers after it
+    # (model_integration.py).
+    position_inputs: Dict[str, tuple] = dataclasses.field(default_factory=dict)
 
-    @property
-    def acts(self) -> bool:
-        """Do the drop layers have work in this forward: drop, park, let parked rows rejoin, or
-        give a dense request the tokens its cached prefix lacks (a prefix holding every token
-        has nothing to restore, so such a step runs as stock SGLang)?"""
-        if not self.is_extend or self.plan is None:
-            return False
-        sparse = self.sparse or ()
-        return self.parking.rejoins or any(
-            d.enabled or d.park or (d.restore_prefix and b < len(sparse) and sparse[b])
-            for b, d in enumerate(self.plan.decisions))
-
-    def note(self, b: int, reason: str) -> None:
-        """Why request b ran dense or dropped less than its decision said."""
-        notes = self.report.notes
-        decided = self.plan.decisions[b].reason if self.plan is not None else None
-        earlier = notes.get(b, decided)
-        notes[b] = reason if earlier is None else f"{earlier}; {reason}"
-
-    @property
-    def lens_tensor(self) -> torch.Tensor:
-        return to_device(self.lens, torch.int32, self.positions.device)
-
-    def own_rows(self) -> Optional[torch.Tensor]:
+    def own_rows(self, rejoined_whole: Dict[int, int]) -> Optional[torch.Tensor]:
         """Rows of the current hidden states that are this step's own tokens for requests whose
-        earlier rows rejoined whole, and every current row of the others; None when no request
-        rejoined whole."""
-        if not self.rejoined_whole:
+        earlier rows rejoined whole (`rejoined_whole`: b -> rows ahead of its own), and every
+        current row of the others; None when no request rejoined whole."""
+        if not rejoined_whole:
             return None
         pieces, start = [], 0
         for b, n in enumerate(self.lens):
-            skip = self.rejoined_whole.get(b, 0)
+            skip = rejoined_whole.get(b, 0)
             pieces.append(torch.arange(start + skip, start + n, device=self.positions.device))
             start += n
         return torch.cat(pieces)
 
-    def own_lens(self) -> List[int]:
-        return [n - self.rejoined_whole.get(b, 0) for b, n in enumerate(self.lens)]
+    def own_lens(self, rejoined_whole: Dict[int, int]) -> List[int]:
+        return [n - rejoined_whole.get(b, 0) for b, n in enumerate(self.lens)]
 
     def segment_starts(self) -> List[int]:
         starts, acc = [], 0
@@ -110,13 +79,14 @@ class DropContext:
         return starts
 
     def shrink(self, keep: torch.Tensor, joining, rows_per_request: List[int],
-               park_sink: Callable) -> None:
+               parking: ParkingStep, park_sink: Callable) -> None:
         """Keep the rows where `keep` is set: the step's own rows, then any parked rows
         rejoining (`parking.JoiningRows`), which go ahead of their request's new rows. The
-        hidden states follow at the next layer hook (`apply_pending`)."""
+        hidden states follow at the next layer hook (`apply_pending`), which hands the rows
+        parking now to `park_sink` and splices in the rejoining ones (`parking`)."""
         total = sum(rows_per_request)
         kept = sum(self.lens)  # the drop has set each request's rows: no device read
-        if kept == total and not joining.count and not self.parking.to_park:
+        if kept == total and not joining.count and not parking.to_park:
             return
         n = keep.shape[0]
         rows = compact(torch.arange(n, device=keep.device),
@@ -129,34 +99,31 @@ class DropContext:
                 to_device(rows_per_request, torch.int64, keep.device))] + joining.request)
             key = request[rows] * (int(positions.max()) + 1) + positions[rows]
             rows = rows[torch.argsort(key, stable=True)]
-            self.extra_hidden, self.extra_residual = joining.hidden, joining.residual
+            parking.extra_hidden, parking.extra_residual = joining.hidden, joining.residual
         self.positions = positions.index_select(0, rows).to(self.positions.dtype)
         self.out_cache_loc = slots.index_select(0, rows).to(self.out_cache_loc.dtype)
         if self.pending_rows is not None:  # a previous drop's gather was never applied
             rows = self.pending_rows.index_select(0, rows)
         else:
             self.rows_before_pending = total
-        self.parking.sink = park_sink
+        parking.sink = park_sink
         self.pending_rows = rows
         self.compacted = True
 
-    def apply_pending(self, hidden_states, residual):
+    def apply_pending(self, hidden_states, residual, parking: ParkingStep):
         """Gather hidden states and residual to the surviving rows, if not done yet.
 
         Right after a drop layer's attention (the post-attention norm hook) this also parks the
-        rows of non-final chunks and splices in the rows parked by earlier chunks.
+        rows of non-final chunks and splices in the rows parked by earlier chunks (`parking`).
         """
         rows = self.pending_rows
         if rows is None or hidden_states.shape[0] != self.rows_before_pending:
             return hidden_states, residual
-        for rid, park_rows in self.parking.to_park:
-            self.parking.sink(rid, hidden_states.index_select(0, park_rows),
-                              residual.index_select(0, park_rows))
-        self.parking.to_park = []
-        if self.extra_hidden is not None:
-            hidden_sources = [hidden_states] + self.extra_hidden
-            residual_sources = [residual] + self.extra_residual
-            self.extra_hidden = self.extra_residual = None
+        parking.hand_over(hidden_states, residual)
+        if parking.extra_hidden is not None:
+            hidden_sources = [hidden_states] + parking.extra_hidden
+            residual_sources = [residual] + parking.extra_residual
+            parking.extra_hidden = parking.extra_residual = None
             return (gather_from_sources(hidden_sources, rows),
                     gather_from_sources(residual_sources, rows))
         # No row spliced in: the rows ascend (each drop keeps rows in order).
@@ -174,6 +141,39 @@ class DropContext:
         digest = torch.zeros(len(self.lens), dtype=torch.int64, device=pos.device)
         digest.index_add_(0, seg, pos * pos % 1000003 + pos)
         return digest.tolist()
+
+
+@dataclasses.dataclass
+class DropContext:
+    """One forward's drop context: its inputs and one part per concern (the module docstring)."""
+    plan: Optional[BatchPlan]
+    forward_batch: object
+    is_extend: bool
+    survivors: Survivors = dataclasses.field(default_factory=Survivors)
+    kv: ForwardKV = dataclasses.field(default_factory=ForwardKV)
+    parking: ParkingStep = dataclasses.field(default_factory=ParkingStep)
+    prefixes: MovedPrefixes = dataclasses.field(default_factory=MovedPrefixes)
+    pieces: RowPieces = dataclasses.field(default_factory=RowPieces)
+    report: "DropReport" = dataclasses.field(default_factory=lambda: DropReport())
+
+    @property
+    def acts(self) -> bool:
+        """Do the drop layers have work in this forward: drop, park, let parked rows rejoin, or
+        give a dense request the tokens its cached prefix lacks (a prefix holding every token
+        has nothing to restore, so such a step runs as stock SGLang)?"""
+        if not self.is_extend or self.plan is None:
+            return False
+        sparse = self.kv.sparse or ()
+        return self.parking.rejoins or any(
+            d.enabled or d.park or (d.restore_prefix and b < len(sparse) and sparse[b])
+            for b, d in enumerate(self.plan.decisions))
+
+    def note(self, b: int, reason: str) -> None:
+        """Why request b ran dense or dropped less than its decision said."""
+        notes = self.report.notes
+        decided = self.plan.decisions[b].reason if self.plan is not None else None
+        earlier = notes.get(b, decided)
+        notes[b] = reason if earlier is None else f"{earlier}; {reason}"
 
 
 @dataclasses.dataclass

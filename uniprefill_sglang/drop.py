@@ -54,23 +54,24 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
     drop_index = rt.stages.drop_index[layer.layer_id]
     _raise_test_fault(rt, ctx, drop_index)
     q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
-    total = ctx.positions.shape[0]
+    survivors = ctx.survivors
+    total = survivors.positions.shape[0]
     step = _plan_step(rt, ctx, layer, q, drop_index)
     if rt.test_fault == "rejoin" and step.joining.count:
         raise UniPrefillError("test fault as parked rows rejoin (UNIPREFILL_TEST_FAULT=rejoin)")
     if step.idle:
-        ctx.report.kept.append(list(ctx.lens))
-        ctx.report.dropped_mass.append([0.0] * len(ctx.lens))
+        ctx.report.kept.append(list(survivors.lens))
+        ctx.report.dropped_mass.append([0.0] * len(survivors.lens))
         return
-    rows_per_request = list(ctx.lens)
+    rows_per_request = list(survivors.lens)
     keep = torch.ones(total + step.joining.count, dtype=torch.bool, device=q.device)
     keep[total:] = False
     stage = rt.stages.stage(layer.layer_id)
     for b, rows, joined in step.whole:
         keep.index_fill_(0, rows, True)
-        ctx.report.kept[0][b] = ctx.lens[b] = joined + ctx.lens[b]
-        ctx.rejoined_whole[b] = joined
-    masses = [0.0] * len(ctx.lens)
+        ctx.report.kept[0][b] = survivors.lens[b] = joined + survivors.lens[b]
+        ctx.parking.rejoined_whole[b] = joined
+    masses = [0.0] * len(survivors.lens)
     dropped = None  # the step's own rows its selection let go
     if step.selecting:
         selection = _select(rt, layer, step, stage)
@@ -79,15 +80,17 @@ def drop(rt, ctx: DropContext, layer, q: torch.Tensor) -> None:
     ctx.report.dropped_mass.append(masses)
     for b, rows in step.parking:
         park_chunk(rt, ctx, b, rows, q, keep, stage)
-    ctx.report.kept.append(list(ctx.lens))
-    if rt.check_kv_lens and int(keep.sum()) != sum(ctx.lens):  # shrink trusts the host count
+    ctx.report.kept.append(list(survivors.lens))
+    kept = sum(survivors.lens)
+    if rt.check_kv_lens and int(keep.sum()) != kept:  # shrink trusts the host count
         raise CheckFailed(f"drop at layer {layer.layer_id}: {int(keep.sum())} rows kept on the "
-                          f"device, {sum(ctx.lens)} on the host")
-    slots = ctx.out_cache_loc
-    ctx.shrink(keep, step.joining, rows_per_request, park_sink=rt.parking.append)
+                          f"device, {kept} on the host")
+    slots = survivors.out_cache_loc
+    survivors.shrink(keep, step.joining, rows_per_request, ctx.parking,
+                     park_sink=rt.parking.append)
     _mark(rt, step, keep[total:], slots, dropped, stage)
     if rt.report_kept_positions:
-        ctx.report.kept_digest.append(ctx.position_digest())
+        ctx.report.kept_digest.append(survivors.position_digest())
     if rt.check_kv_lens:
         _check_extend_lens(rt, ctx, stage + 1)
 
@@ -108,15 +111,16 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
     device = q.device
     req_rows = rt.host_rows(ctx.forward_batch)
     req_to_token = rt.req_to_token_pool.req_to_token
-    total = ctx.positions.shape[0]
+    survivors = ctx.survivors
+    total = survivors.positions.shape[0]
     step = _Step(DropCandidates(None, None, [], None, None, [], [], [], []))
     queries, query_pos, keys, key_pos = [], [], [], []
     empty = torch.empty(0, dtype=torch.int64, device=device)
     joins = rejoining_rows(rt, ctx, layer, q) if first_drop else {}
-    for b, (d, start) in enumerate(zip(ctx.plan.decisions, ctx.segment_starts())):
+    for b, (d, start) in enumerate(zip(ctx.plan.decisions, survivors.segment_starts())):
         if b in ctx.report.over_bound:  # its first drop kept every row: so do the later ones
             continue
-        n = ctx.lens[b]
+        n = survivors.lens[b]
         own = torch.arange(start, start + n, device=device)
         if first_drop and d.park and parks_here(rt, ctx, b, n):
             step.parking.append((b, own))
@@ -132,20 +136,20 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
         if joined_rows is not None:  # rejoined rows are this request's rows now
             rows = torch.cat([step.joining.add(b, joined_rows, req_to_token[req_rows[b]], total),
                               own])
-            ctx.fixed_lens[b] = joined_rows.start_pos
+            survivors.fixed_lens[b] = joined_rows.start_pos
         if not d.enabled:  # every row kept: nothing to score
             step.whole.append((b, rows, joined))
             continue
-        own_q, own_q_pos = q[start:start + n], ctx.positions[start:start + n]
+        own_q, own_q_pos = q[start:start + n], survivors.positions[start:start + n]
         num_q = min(rt.config.last_queries, joined + n)
         if num_q > n:  # a final chunk shorter than the query window borrows queries
             own_q = torch.cat([joined_rows.last_q.to(own_q.dtype), own_q])
             own_q_pos = torch.cat([joined_rows.last_q_pos, own_q_pos])
         queries.append(own_q[-num_q:]), query_pos.append(own_q_pos[-num_q:])
-        fixed_len = ctx.fixed_lens[b]
+        fixed_len = survivors.fixed_lens[b]
         prefix_slots = prefix_pos = empty
         if fixed_len:  # its count is known on the host: stage 0 holds every token
-            count = fixed_len if stage == 0 else ctx.prefix_valid[b][stage]
+            count = fixed_len if stage == 0 else ctx.kv.prefix_valid[b][stage]
             prefix_slots, prefix_pos = rt.slots.valid_slots(
                 req_to_token[req_rows[b], :fixed_len], stage, count)
         # Keys: the valid prefix (scored, never dropped), rejoined rows, this step's rows.
@@ -154,8 +158,8 @@ def _plan_step(rt, ctx, layer, q, drop_index) -> _Step:
         if joined:
             keys.append(step.joining.slots[-1])
             key_pos.append(step.joining.positions[-1])
-        keys.append(ctx.out_cache_loc[start:start + n].to(torch.int64))
-        key_pos.append(ctx.positions[start:start + n].to(torch.int64))
+        keys.append(survivors.out_cache_loc[start:start + n].to(torch.int64))
+        key_pos.append(survivors.positions[start:start + n].to(torch.int64))
         c = step.cands
         c.query_counts.append(num_q)
         c.key_counts.append(prefix_slots.numel() + joined + n)
@@ -196,14 +200,16 @@ def _bound(rt, ctx, step: _Step, selection: Selection, keep, drop_index, masses)
     decisions = ctx.plan.decisions
     bounds = [decisions[b].max_dropped_mass for b, _, _ in step.selecting]
     if drop_index == 0 and any(x is not None for x in bounds):
-        counts = _hold_over_bound(ctx, step, keep, candidate_rows, counts, mass, bounds)
+        counts = _hold_over_bound(ctx.survivors, step, keep, candidate_rows, counts, mass,
+                                  bounds)
     # One read for the counts (exact in float64) and the masses.
     host = torch.cat([counts.to(torch.float64), mass]).tolist()
     num = len(step.selecting)
     host_counts, host_mass = host[:num], host[num:]
+    lens = ctx.survivors.lens
     for (b, _, joined), count, m, bound in zip(step.selecting, host_counts, host_mass, bounds):
         if joined:
-            ctx.report.kept[0][b] = joined + ctx.lens[b]
+            ctx.report.kept[0][b] = joined + lens[b]
         if drop_index == 0 and bound is not None and m > bound:
             ctx.report.over_bound[b] = m
             name = (f'custom_params["{MAX_DROPPED_MASS_KNOB}"]'
@@ -214,9 +220,9 @@ def _bound(rt, ctx, step: _Step, selection: Selection, keep, drop_index, masses)
                         f"the attention mass it scored, above {name} {bound:g}; every token "
                         "kept from there on")
             m = 0.0
-        if count < joined + ctx.lens[b]:
-            ctx.sparse[b] = True
-        ctx.lens[b] = int(count)
+        if count < joined + lens[b]:
+            ctx.kv.sparse[b] = True
+        lens[b] = int(count)
         masses[b] = m
 
 
@@ -233,14 +239,15 @@ def _mark(rt, step: _Step, joined_kept, slots, dropped, stage) -> None:
         rt.slots.mark_dropped(joined[~joined_kept], 0)
 
 
-def _hold_over_bound(ctx, step: _Step, keep, candidate_rows, counts, mass, bounds):
+def _hold_over_bound(survivors, step: _Step, keep, candidate_rows, counts, mass, bounds):
     """On the device: the segments whose selection lets go more than their bound keep every
-    candidate row; returns the kept counts with theirs full."""
+    candidate row; returns the kept counts with theirs full (`survivors`: the drop context's,
+    before the drop)."""
     device = keep.device
     limits = to_device([math.inf if x is None else x for x in bounds], torch.float64, device)
     over = mass > limits
-    sizes = to_device([joined + ctx.lens[b] for b, _, joined in step.selecting], torch.int64,
-                      device)
+    sizes = to_device([joined + survivors.lens[b] for b, _, joined in step.selecting],
+                      torch.int64, device)
     segment = torch.repeat_interleave(torch.arange(len(bounds), device=device), sizes,
                                       output_size=candidate_rows.numel())
     keep.index_copy_(0, candidate_rows,
@@ -253,7 +260,7 @@ def _check_extend_lens(rt, ctx: DropContext, stage: int) -> None:
     rt.stage_kv.check_extend(
         fb.req_pool_indices, fb.seq_lens,
         [p + n for p, n in zip(rt.prefix_lens(fb), fb.extend_seq_lens_cpu)],
-        [p[stage] + n for p, n in zip(ctx.prefix_valid, ctx.lens)], stage)
+        [p[stage] + n for p, n in zip(ctx.kv.prefix_valid, ctx.survivors.lens)], stage)
 
 
 def warm_up(rt, attn, dtype) -> None:

@@ -11,14 +11,17 @@ validity; slots held by the radix cache keep theirs, so a cached prefix is reuse
 KV its layers hold.
 
 `KVGaps` mirrors, on the host, how many slots each request lacks per stage, so decode steps can
-size per-stage views (FlashInfer plans on the host) without reading the device. The functions at
-the bottom build per-stage views on the device, shared by the attention-backend adapters.
+size per-stage views (FlashInfer plans on the host) without reading the device. A forward's
+requests carry what they hold per stage on its drop context (`ForwardKV`, `DropContext.kv`),
+which the attention-backend adapters read. The functions at the bottom build per-stage views on
+the device, shared by those adapters.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+import dataclasses
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -157,6 +160,20 @@ class KVGaps:
 
     def get(self, row: int) -> Tuple[int, ...]:
         return self.by_row[row]
+
+
+@dataclasses.dataclass
+class ForwardKV:
+    """The KV one forward's requests hold per stage, as the attention adapters read it (set
+    when the forward begins, runtime.py; a drop, a parking chunk and a moved prefix update it)."""
+    # Per request: does it hold KV missing in some layer (sparse prefix or a drop this step)?
+    sparse: Optional[List[bool]] = None
+    # Extend, per request and stage 0..D: slots of its cached prefix holding KV for that stage.
+    prefix_valid: Optional[List[List[int]]] = None
+    # Decode, per request: the KV it lacks at stages 1..D (host mirror, `KVGaps`).
+    gaps: Optional[List[tuple]] = None
+    # Attention adapters' per-forward views (planned once, run by every layer of a stage).
+    views: Dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 class RequestStageKV:

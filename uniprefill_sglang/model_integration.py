@@ -20,7 +20,8 @@ linear-attention layer's mixer, in position order, and an attention layer's atte
 in row order) runs in pieces of at most the chunk size while the batch is compacted: the rows
 of earlier chunks that rejoin at the final chunk's first drop must not make a step's
 activations there larger than a chunk's. Beyond the rows' hidden state and residual (and, at a
-drop layer, the queries its drop scores with) a step then holds one piece's activations.
+drop layer, the queries its drop scores with) a step then holds one piece's activations
+(pieces.py: the drop context's `pieces` names the rows a piece runs).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.drop import drop
+from uniprefill_sglang.pieces import in_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -139,23 +141,24 @@ def _wrap_layer_entry(layer: nn.Module, inner: nn.Module, shape, call: LayerCall
             call.ctx = None
 
     def on_survivors(ctx, args, kwargs):
-        if ctx is None or not ctx.compacted:
+        if ctx is None or not ctx.survivors.compacted:
             return original(*args, **kwargs)
+        survivors = ctx.survivors
         bound = signature.bind(*args, **kwargs)
         inputs = bound.arguments
         if inputs.get("residual") is not None:
-            inputs["hidden_states"], inputs["residual"] = ctx.apply_pending(
-                inputs["hidden_states"], inputs["residual"])
-        ctx.finish_pending()
+            inputs["hidden_states"], inputs["residual"] = survivors.apply_pending(
+                inputs["hidden_states"], inputs["residual"], ctx.parking)
+        survivors.finish_pending()
         # A layer may take the positions by name or through **kwargs (Qwen3-Next's linear
         # layers, which do not use them).
         named = inputs if "positions" in inputs else _var_keywords(signature, inputs)
         positions = named.get("positions")
         if positions is not None:  # [n] (Llama) or [1, n] (Gemma 3)
-            named["positions"] = ctx.positions.reshape(*positions.shape[:-1], -1)
+            named["positions"] = survivors.positions.reshape(*positions.shape[:-1], -1)
         for name, module in position_inputs:
             if inputs.get(name) is not None and module is not None:
-                inputs[name] = _survivor_position_input(ctx, name, module,
+                inputs[name] = _survivor_position_input(survivors, name, module,
                                                         inputs["hidden_states"])
         return original(*bound.args, **bound.kwargs)
 
@@ -170,13 +173,13 @@ def _var_keywords(signature, inputs) -> dict:
     return {}
 
 
-def _survivor_position_input(ctx, name, module, hidden_states):
+def _survivor_position_input(survivors, name, module, hidden_states):
     """A per-forward position input (RoPE cos/sin) for the current survivors, computed once per
     drop and shared by the layers after it."""
-    cache = ctx.views.setdefault("position_inputs", {})
+    cache = survivors.position_inputs
     hit = cache.get(name)
-    if hit is None or hit[0] is not ctx.positions:
-        hit = (ctx.positions, module(hidden_states, ctx.positions.unsqueeze(0)))
+    if hit is None or hit[0] is not survivors.positions:
+        hit = (survivors.positions, module(hidden_states, survivors.positions.unsqueeze(0)))
         cache[name] = hit
     return hit[1]
 
@@ -189,9 +192,10 @@ def _wrap_residual_norm(norm: nn.Module, runtime, first_drop: bool, call: LayerC
         ctx = call.ctx
         if first_drop and residual is not None:
             _save_checkpoint(runtime, ctx, hidden_states, residual)
-        if ctx is not None and ctx.pending_rows is not None and residual is not None:
-            hidden_states, residual = ctx.apply_pending(hidden_states, residual)
-            ctx.finish_pending()
+        if ctx is not None and ctx.survivors.pending_rows is not None and residual is not None:
+            hidden_states, residual = ctx.survivors.apply_pending(hidden_states, residual,
+                                                                  ctx.parking)
+            ctx.survivors.finish_pending()
         return original(hidden_states, residual, *args, **kwargs)
 
     norm.forward = forward
@@ -235,29 +239,13 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
         out = original(q, k, v, forward_batch, *args, **kwargs)
         ctx = drop_context(forward_batch)
         if ctx is not None and ctx.acts:
-            queries = q_rows if ctx.row_piece is None else _gather_queries(ctx, attn, q_rows)
+            queries = q_rows if ctx.pieces.span is None else ctx.pieces.gather_queries(
+                attn.layer_id, q_rows, ctx.survivors.positions.shape[0])
             if queries is not None:
                 drop(runtime, ctx, attn, queries)
         return out
 
     attn.forward = forward
-
-
-def _gather_queries(ctx, attn, q_rows):
-    """A drop layer run in pieces: its queries of every survivor, gathered piece by piece and
-    returned complete at the last piece (None before). The drop reads each request's last
-    queries by row (drop.py), so the layer holds a query row per survivor until it has run."""
-    start, end = ctx.row_piece
-    total = ctx.positions.shape[0]
-    gathered = ctx.views.setdefault("drop_queries", {})
-    queries = gathered.get(attn.layer_id)
-    if queries is None:
-        queries = gathered[attn.layer_id] = q_rows.new_empty((total, q_rows.shape[1]))
-    queries[start:end] = q_rows
-    if end < total:
-        return None
-    del gathered[attn.layer_id]
-    return queries
 
 
 def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
@@ -270,37 +258,19 @@ def _wrap_mlp(mlp: nn.Module, runtime, call: LayerCall) -> None:
     def forward(hidden_states, *args, **kwargs):
         ctx = call.ctx
         n = hidden_states.shape[0]
-        if ctx is None or not ctx.compacted or n <= piece_rows or hidden_states.dim() != 2:
+        if (ctx is None or not ctx.survivors.compacted or n <= piece_rows
+                or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
         runtime.stats.pieced_mlp_calls += 1
-        return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
+        return in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
                           n, piece_rows)
 
     mlp.forward = forward
 
 
-def _in_pieces(run, n: int, piece_rows: int, ctx=None):
-    """run(start, end) over consecutive pieces of at most `piece_rows` of `n` rows, written into
-    one output; with `ctx`, each piece's rows are named on `ctx.row_piece` while it runs."""
-    out = None
-    try:
-        for start in range(0, n, piece_rows):
-            end = min(n, start + piece_rows)
-            if ctx is not None:
-                ctx.row_piece = (start, end)
-            piece = run(start, end)
-            if out is None:
-                out = piece.new_empty((n,) + tuple(piece.shape[1:]))
-            out[start:end] = piece
-    finally:
-        if ctx is not None:
-            ctx.row_piece = None
-    return out
-
-
 def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
     """A linear-attention mixer over at most `runtime.piece_rows` rows at a time, in position
-    order: the drop context's `row_piece` tells the layer's backend adapter which rows it runs
+    order: the drop context's `pieces.span` tells the layer's backend adapter which rows it runs
     (backends/linear_attention.py), and each piece continues the state the one before it left.
     Its projections, convolution and recurrence then hold a piece's activations, not those of
     every rejoining row."""
@@ -310,12 +280,12 @@ def _wrap_linear_mixer(mixer: nn.Module, runtime, call: LayerCall) -> None:
     def forward(hidden_states, *args, **kwargs):
         ctx = call.ctx
         n = hidden_states.shape[0]
-        if (ctx is None or not ctx.is_extend or not ctx.compacted or n <= runtime.piece_rows
-                or hidden_states.dim() != 2):
+        if (ctx is None or not ctx.is_extend or not ctx.survivors.compacted
+                or n <= runtime.piece_rows or hidden_states.dim() != 2):
             return original(hidden_states, *args, **kwargs)
         runtime.stats.pieced_mixer_calls += 1
-        return _in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
-                          n, runtime.piece_rows, ctx)
+        return in_pieces(lambda start, end: original(hidden_states[start:end], *args, **kwargs),
+                         n, runtime.piece_rows, ctx.pieces)
 
     mixer.forward = forward
 
@@ -352,7 +322,7 @@ def _rows(value, dim: int, start: int, end: int):
 def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
     """An attention sublayer after the first drop over at most `runtime.piece_rows` survivors at
     a time, in row order, while the batch is compacted: per piece its projections, KV write,
-    attention and output projection. The drop context's `row_piece` tells the layer's backend
+    attention and output projection. The drop context's `pieces.span` tells the layer's backend
     adapter which rows run (backends/common.py `row_piece`): a piece's queries attend to the
     stage's valid prefix, their request's rows in earlier pieces (whose KV those pieces wrote)
     and, causally, the piece's own rows, which is what the whole sublayer's would see."""
@@ -363,12 +333,12 @@ def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
     def forward(*args, **kwargs):
         ctx = call.ctx
         hidden_states = signature.bind(*args, **kwargs).arguments.get("hidden_states")
-        if (ctx is None or not ctx.is_extend or not ctx.compacted
+        if (ctx is None or not ctx.is_extend or not ctx.survivors.compacted
                 or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2
                 or hidden_states.shape[0] <= runtime.piece_rows
-                or hidden_states.shape[0] != ctx.positions.shape[0]):
+                or hidden_states.shape[0] != ctx.survivors.positions.shape[0]):
             return original(*args, **kwargs)
-        ctx.pieced_attention_calls += 1
+        ctx.pieces.attention_calls += 1
 
         def run(start, end):
             piece = signature.bind(*args, **kwargs)
@@ -377,7 +347,7 @@ def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
                     piece.arguments[arg] = _rows(piece.arguments[arg], dim, start, end)
             return original(*piece.args, **piece.kwargs)
 
-        return _in_pieces(run, hidden_states.shape[0], runtime.piece_rows, ctx)
+        return in_pieces(run, hidden_states.shape[0], runtime.piece_rows, ctx.pieces)
 
     setattr(owner, name, forward)
 

@@ -66,8 +66,10 @@ class ParkedRows:
 
 @dataclasses.dataclass
 class ParkingStep:
-    """What one forward does to parked rows: the drop writes it, the layer hook hands the rows
-    to the lot, the runtime settles it when the forward ends or rolls it back when it failed."""
+    """What one forward does to parked rows, those parking now and those rejoining
+    (`DropContext.parking`): the drop writes it, the layer hook hands the parking rows to the
+    lot and splices the rejoining ones in, the runtime settles it when the forward ends or rolls
+    it back when it failed."""
     # rid -> (ParkedRows, count) when the forward began (a failed forward is rolled back to it).
     before: Dict[str, tuple] = dataclasses.field(default_factory=dict)
     # Do parked rows rejoin in this forward (also where no request drops: a dense final chunk)?
@@ -81,6 +83,22 @@ class ParkingStep:
     # Device memory allocated when a rejoining forward began (the allocator's peak was reset to
     # it), to measure what the rejoin took above it; None off CUDA or without a rejoin.
     allocated_at_start: Optional[int] = None
+    # Hidden states and residuals of the rows rejoining at the first drop (`JoiningRows`),
+    # spliced in after the current rows by the next layer hook (context.Survivors.shrink and
+    # apply_pending).
+    extra_hidden: Optional[List[torch.Tensor]] = None
+    extra_residual: Optional[List[torch.Tensor]] = None
+    # Dense requests whose earlier rows rejoined whole: b -> rows ahead of its own (the logits
+    # see its own rows only, as a dense step's would: patches/logits.py).
+    rejoined_whole: Dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def hand_over(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> None:
+        """Right after the first drop layer's attention: the rows parking now go to the lot
+        (`sink`), out of that layer's hidden states and residual."""
+        for rid, park_rows in self.to_park:
+            self.sink(rid, hidden_states.index_select(0, park_rows),
+                      residual.index_select(0, park_rows))
+        self.to_park = []
 
 
 def start_peak_measure(step: ParkingStep, device) -> None:
@@ -102,10 +120,10 @@ def rejoin_record(ctx, cost: Optional["RejoinCost"], previous: Optional[dict],
                if d.rid in ctx.parking.finished)
     peak = None
     if ctx.parking.allocated_at_start is not None:
-        peak = int(torch.cuda.max_memory_allocated(ctx.out_cache_loc.device)
+        peak = int(torch.cuda.max_memory_allocated(ctx.survivors.out_cache_loc.device)
                    - ctx.parking.allocated_at_start)
     return {"number": previous["number"] + 1 if previous else 1, "rows": int(rows),
-            "pieced_attention_calls": ctx.pieced_attention_calls, "peak_bytes": peak,
+            "pieced_attention_calls": ctx.pieces.attention_calls, "peak_bytes": peak,
             "priced_bytes": cost.count(0, rows, piece_rows) if cost is not None else None}
 
 
@@ -345,9 +363,9 @@ class JoiningRows:
 def parks_here(rt, ctx, b: int, n: int) -> bool:
     """At the first drop: does request b, a non-final chunk with `n` rows here, park (its rest
     of the prompt fits, `ParkingLot.reserve`)? A refused one says why and runs dense."""
-    d = ctx.plan.decisions[b]
-    if n > 0 and rt.parking.reserve(d.rid, d.prompt_len, ctx.fixed_lens[b],
-                                    rejoin_bound(rt.config, d, d.prompt_len - ctx.fixed_lens[b])):
+    d, fixed_len = ctx.plan.decisions[b], ctx.survivors.fixed_lens[b]
+    if n > 0 and rt.parking.reserve(d.rid, d.prompt_len, fixed_len,
+                                    rejoin_bound(rt.config, d, d.prompt_len - fixed_len)):
         return True
     if d.rid in rt.parking.refused:
         ctx.note(b, f"non-final chunk, not parked ({rt.parking.refused[d.rid]}): runs dense")
@@ -358,16 +376,16 @@ def park_chunk(rt, ctx, b, rows, q, keep, stage) -> None:
     """At the first drop (drop.py): all rows of request b, a non-final chunk, stop here and wait
     for the final chunk; the last one goes on alone so the forward still yields the logits
     SGLang expects (discarded). `keep` is the drop's row mask, `stage` its layer's."""
-    rid = ctx.plan.decisions[b].rid
+    rid, survivors = ctx.plan.decisions[b].rid, ctx.survivors
     last = rows[-rt.config.last_queries:]
     ctx.parking.to_park.append((rid, rows))
     ctx.parking.parked_now.append(b)
     keep.index_fill_(0, rows[:-1], False)
-    rt.slots.mark_dropped(ctx.out_cache_loc[rows[:-1]], stage, release=False)
-    ctx.parking.ghost_slots.append(ctx.out_cache_loc[rows[-1:]])
-    rt.parking.get(rid).set_last_queries(q[last], ctx.positions[last])
-    ctx.sparse[b] = True
-    ctx.lens[b] = 1
+    rt.slots.mark_dropped(survivors.out_cache_loc[rows[:-1]], stage, release=False)
+    ctx.parking.ghost_slots.append(survivors.out_cache_loc[rows[-1:]])
+    rt.parking.get(rid).set_last_queries(q[last], survivors.positions[last])
+    ctx.kv.sparse[b] = True
+    survivors.lens[b] = 1
 
 
 def rejoining_rows(rt, ctx, layer, q) -> Dict[int, ParkedRows]:

@@ -85,6 +85,14 @@ class PrefixOutcome:
         return out
 
 
+@dataclasses.dataclass
+class MovedPrefixes:
+    """One forward's requests whose cached prefix moved to private slots (`DropContext.prefixes`;
+    `PrefixReuse.point_back` undoes it when the forward fails)."""
+    # b -> (req-pool row, the shared slots it pointed at).
+    moved: Dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+
 class PrivatePrefixes:
     """KV slots re-selected requests hold for their cached prefix's positions, by request id."""
 
@@ -130,9 +138,9 @@ class PrefixReuse:
         request gets the dropped tokens back), VERIFY (scores it first) or RESELECT."""
         cached = d.cached_len
         if d.restore_prefix:
-            if ctx.prefix_valid[b][-1] >= cached:
+            if ctx.kv.prefix_valid[b][-1] >= cached:
                 return "keep", "cached prefix holds every token"
-            if cached != ctx.fixed_lens[b]:
+            if cached != ctx.survivors.fixed_lens[b]:
                 return "keep", "cached prefix not contiguous with this step's rows"
             return "restore", None
         if not d.enabled or cached <= 0:
@@ -140,12 +148,12 @@ class PrefixReuse:
         if d.prefix_policy not in NEEDS_CHECKPOINT:
             return "keep", None
         parked = self.runtime.parking.get(d.rid)
-        if cached != (parked.start_pos if parked is not None else ctx.fixed_lens[b]):
+        if cached != (parked.start_pos if parked is not None else ctx.survivors.fixed_lens[b]):
             return "keep", "cached prefix not contiguous with this step's rows"
         if d.prefix_policy == VERIFY:
             if cached <= self.runtime.config.sink_tokens:
                 return RESELECT, "short cached prefix"
-            if ctx.prefix_valid[b][1] >= cached:  # (parked rows hold stage 0 only)
+            if ctx.kv.prefix_valid[b][1] >= cached:  # (parked rows hold stage 0 only)
                 return "keep", "cached prefix holds every token past the first drop"
             return VERIFY, None
         return RESELECT, None
@@ -218,19 +226,20 @@ class PrefixReuse:
         (stage 0: every token), parked rows of earlier chunks, this step's rows."""
         rt = self.runtime
         req_to_token = rt.req_to_token_pool.req_to_token
-        starts = ctx.segment_starts()
+        survivors = ctx.survivors
+        starts = survivors.segment_starts()
         queries, query_pos, keys, key_pos, cached, qc, kc = [], [], [], [], [], [], []
         top_p, ratio = [], []
         for b in verifying:
             d = ctx.plan.decisions[b]
-            n, start, fixed_len = ctx.lens[b], starts[b], ctx.fixed_lens[b]
+            n, start, fixed_len = survivors.lens[b], starts[b], survivors.fixed_lens[b]
             fixed = req_to_token[rows[b], :fixed_len].to(torch.int64)
             own_q, own_q_pos = self._last_queries(ctx, b, start, layer, q, fixed)
             queries.append(own_q)
             query_pos.append(own_q_pos)
-            keys += [fixed, ctx.out_cache_loc[start:start + n].to(torch.int64)]
+            keys += [fixed, survivors.out_cache_loc[start:start + n].to(torch.int64)]
             key_pos += [torch.arange(fixed_len, device=q.device),
-                        ctx.positions[start:start + n].to(torch.int64)]
+                        survivors.positions[start:start + n].to(torch.int64)]
             held = rt.slots.valid_mask(fixed[:d.cached_len], 1)
             own = torch.ones(fixed_len - d.cached_len + n, dtype=torch.bool, device=q.device)
             cached += [held, own]
@@ -249,9 +258,9 @@ class PrefixReuse:
         preceded where it is shorter by the parked chunks' last queries or the cached prefix's
         saved ones."""
         rt = self.runtime
-        n = ctx.lens[b]
+        n, positions = ctx.survivors.lens[b], ctx.survivors.positions
         q = q.view(q.shape[0], layer.tp_q_head_num, layer.qk_head_dim)
-        own_q, own_pos = q[start:start + n], ctx.positions[start:start + n].to(torch.int64)
+        own_q, own_pos = q[start:start + n], positions[start:start + n].to(torch.int64)
         num_q = min(rt.config.last_queries, fixed.numel() + n)
         if num_q > n:
             parked = rt.parking.get(ctx.plan.decisions[b].rid)
@@ -279,7 +288,7 @@ class PrefixReuse:
         for l in self.stage0_layers:
             for buf in (pool.get_key_buffer(l), pool.get_value_buffer(l)):
                 buf.index_copy_(0, dst, buf.index_select(0, src))
-        ctx.moved_prefixes[b] = (row, shared.clone())
+        ctx.prefixes.moved[b] = (row, shared.clone())
         rt.slots.mark_dropped(dst, 0, release=False)  # it rejoins at the first drop
         self.checkpoint.copy(src, dst)
         req_to_token = rt.req_to_token_pool.req_to_token
@@ -291,8 +300,16 @@ class PrefixReuse:
                                 torch.arange(count - k, count, device=src.device))
         # The prefix holds no later-stage KV for this request any more: its valid counts past
         # stage 0 are those of the rows that rejoin (counted when they enter a stage).
-        ctx.prefix_valid[b] = [ctx.prefix_valid[b][0]] + [0] * rt.stages.num_drops
+        ctx.kv.prefix_valid[b] = [ctx.kv.prefix_valid[b][0]] + [0] * rt.stages.num_drops
         return rejoin
+
+    def point_back(self, moved: MovedPrefixes, decisions) -> None:
+        """A failed forward: the requests whose prefix it moved to private slots point at the
+        shared prefix again, and the private slots are freed."""
+        req_to_token = self.runtime.req_to_token_pool.req_to_token
+        for b, (row, shared) in moved.moved.items():
+            req_to_token[row, :shared.numel()] = shared
+            self.release(decisions[b].rid)
 
     def release(self, rid: str) -> None:
         """The request left (finished, aborted or retracted): free its private prefix slots."""

@@ -49,7 +49,13 @@ One attribute per SGLang object kind, each with one meaning:
 
 Within a forward the drop context is passed on, never looked up: through the batch's
 `uniprefill_inputs` to whatever SGLang hands the batch, and through a `LayerCall` to the
-sublayers it does not. What outlives a forward lives on the runtime
+sublayers it does not. Beside the forward's inputs (its plan, the batch, extend or not) it holds
+one part per concern, each defined by the module that writes it: the surviving rows
+(`context:Survivors`), the KV each request holds per stage and the adapters' views
+(`kv_validity:ForwardKV`), what the forward does to parked rows and the rows rejoining
+(`parking:ParkingStep`), the cached prefixes it moved to private slots
+(`prefix_reuse:MovedPrefixes`), the rows a sublayer run in pieces runs now (`pieces:RowPieces`)
+and the per-request report (`context:DropReport`). What outlives a forward lives on the runtime
 (`runtime:UniPrefillRuntime`: the per-stage KV bookkeeping, the parked rows, the prefix
 checkpoint), reached through `runtime:get_runtime`.
 

@@ -137,12 +137,13 @@ class UniPrefillRuntime:
         if is_extend:
             if plan is not None and any(d.reason == "decode" for d in plan.decisions):
                 self.stats.mixed_forwards += 1
-            ctx.positions, ctx.out_cache_loc = fb.positions, fb.out_cache_loc
-            ctx.lens = list(fb.extend_seq_lens_cpu)
-            ctx.fixed_lens = self.prefix_lens(fb)
-            ctx.report.kept.append(list(ctx.lens))
-            ctx.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, ctx.fixed_lens)
-            ctx.sparse = [v[-1] < p for v, p in zip(ctx.prefix_valid, ctx.fixed_lens)]
+            survivors, kv = ctx.survivors, ctx.kv
+            survivors.positions, survivors.out_cache_loc = fb.positions, fb.out_cache_loc
+            survivors.lens = list(fb.extend_seq_lens_cpu)
+            survivors.fixed_lens = self.prefix_lens(fb)
+            ctx.report.kept.append(list(survivors.lens))
+            kv.prefix_valid = self.stage_kv.prefix_valid(fb.req_pool_indices, survivors.fixed_lens)
+            kv.sparse = [v[-1] < p for v, p in zip(kv.prefix_valid, survivors.fixed_lens)]
             if plan is not None and self.has_schedule:
                 self._note_refused_parking(ctx)
                 parked = {d.rid: self.parking.get(d.rid) for d in plan.decisions
@@ -156,11 +157,11 @@ class UniPrefillRuntime:
         elif fb.forward_mode.is_decode() and self.has_schedule:
             rows = self.host_rows(fb)
             self.stage_kv.refresh_stale(rows, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
-            ctx.kv_gaps = [self.kv_gaps.get(r) for r in rows]
-            ctx.sparse = [any(g) for g in ctx.kv_gaps]
-            if self.check_kv_lens and any(ctx.sparse):
+            ctx.kv.gaps = [self.kv_gaps.get(r) for r in rows]
+            ctx.kv.sparse = [any(g) for g in ctx.kv.gaps]
+            if self.check_kv_lens and any(ctx.kv.sparse):
                 self.stage_kv.check_decode(fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu,
-                                           ctx.kv_gaps)
+                                           ctx.kv.gaps)
         inputs = getattr(fb, "uniprefill_inputs", None)
         if inputs is None:  # a batch the ForwardBatch hook did not build (an idle one)
             inputs = fb.uniprefill_inputs = ForwardInputs(req_rows=None)
@@ -192,7 +193,7 @@ class UniPrefillRuntime:
                 if d.enabled and b not in ctx.parking.parked_now:
                     self.stats.scored_tokens += ctx.report.kept[0][b]
                     self.stats.kept_tokens += ctx.report.kept[-1][b]
-        if ctx.is_extend and ctx.sparse is not None and self.has_schedule:
+        if ctx.is_extend and ctx.kv.sparse is not None and self.has_schedule:
             self._record_gaps(ctx)
         if ctx.parking.rejoins:
             self.stats.last_rejoin = rejoin_record(ctx, self.parking.cost,
@@ -210,10 +211,8 @@ class UniPrefillRuntime:
         requests (`failed_requests`)."""
         self._close(ctx)
         rows = self.host_rows(ctx.forward_batch)
-        for b, (row, shared) in ctx.moved_prefixes.items():  # back to the shared prefix
-            self.req_to_token_pool.req_to_token[row, :shared.numel()] = shared
-            self.prefix_reuse.release(ctx.plan.decisions[b].rid)
         decisions = ctx.plan.decisions if ctx.plan else []
+        self.prefix_reuse.point_back(ctx.prefixes, decisions)
         self.parking.roll_back(ctx.parking.before, [d.rid for d in decisions])
         for b, d in enumerate(decisions):
             parked = self.parking.get(d.rid)
@@ -245,7 +244,7 @@ class UniPrefillRuntime:
             entered = [ctx.report.kept[min(s, len(ctx.report.kept) - 1)][b] - ghost
                        for s in range(1, self.stages.num_drops + 1)]
             if not self.stage_kv.record_extend(row, plen + fb.extend_seq_lens_cpu[b],
-                                               ctx.prefix_valid[b], entered,
+                                               ctx.kv.prefix_valid[b], entered,
                                                corrupt=self.test_fault == "kv_gaps"):
                 # An inconsistent host mirror must not take the server down: the device's
                 # slot map is the truth, read back before the row's next decode.

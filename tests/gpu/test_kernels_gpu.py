@@ -356,23 +356,25 @@ def test_the_first_drop_bound_holds_rows_without_a_host_sync():
     device, with no host sync (the drop's one read comes after, with the counts)."""
     from types import SimpleNamespace
 
+    from uniprefill_sglang.context import Survivors
     from uniprefill_sglang.drop import _hold_over_bound
 
     lens = [300, 500, 200]
     rows = [torch.arange(s, s + n, device=DEV) for s, n in zip((0, 300, 800), lens)]
     step = SimpleNamespace(selecting=[(b, r, 0) for b, r in enumerate(rows)])
-    ctx = SimpleNamespace(lens=lens)
+    survivors = Survivors(lens=lens)
     candidate_rows = torch.cat(rows)
     keep = torch.zeros(1000, dtype=torch.bool, device=DEV)
     keep[::3] = True
     counts = torch.tensor([100, 167, 67], dtype=torch.int32, device=DEV)
     mass = torch.tensor([0.2, 0.01, 0.5], dtype=torch.float64, device=DEV)
-    args = (ctx, step, keep.clone(), candidate_rows, counts, mass, [0.1, 0.1, None])
+    args = (survivors, step, keep.clone(), candidate_rows, counts, mass, [0.1, 0.1, None])
     _hold_over_bound(*args)  # first call outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        held = _hold_over_bound(ctx, step, keep, candidate_rows, counts, mass, [0.1, 0.1, None])
+        held = _hold_over_bound(survivors, step, keep, candidate_rows, counts, mass,
+                                [0.1, 0.1, None])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert held.tolist() == [300, 167, 67]

@@ -110,7 +110,8 @@ def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
             ctx.note(b, f"block-sparse attention: the prefill backend {runtime.prefill_backend} "
                         "has no block-sparse path, attended densely")
             rule = None
-        elif ask and ctx.fixed_lens[b] + ctx.lens[b] < config.block_sparse_min_tokens:
+        elif ask and (ctx.survivors.fixed_lens[b] + ctx.survivors.lens[b]
+                      < config.block_sparse_min_tokens):
             rule = None  # a short sequence: dense this step
         rules.append(rule)
         asked.append(ask)
@@ -152,10 +153,10 @@ def request_keys(runtime, ctx, stage: int, piece) -> List[torch.Tensor]:
     req_to_token = runtime.req_to_token_pool.req_to_token
     if stage == 0:
         rows = runtime.host_rows(ctx.forward_batch)
-        return [req_to_token[rows[b], :ctx.fixed_lens[b] + t]
+        return [req_to_token[rows[b], :ctx.survivors.fixed_lens[b] + t]
                 for b, t in enumerate(piece.through)]
     _, indices, _ = stage_keys(runtime, req_to_token, ctx, stage, piece.through)
-    counts = [p[stage] + t for p, t in zip(ctx.prefix_valid, piece.through)]
+    counts = [p[stage] + t for p, t in zip(ctx.kv.prefix_valid, piece.through)]
     return list(torch.split(indices, counts))
 
 
@@ -177,7 +178,7 @@ def extend_attention(pool, q, k, v, layer, forward_batch,
         return None
     stage = runtime.stages.stage(layer.layer_id)
     if save_kv_cache:
-        write_kv(pool, layer, ctx.out_cache_loc[piece.rows], k, v)
+        write_kv(pool, layer, ctx.survivors.out_cache_loc[piece.rows], k, v)
     hq, dv = layer.tp_q_head_num, layer.v_head_dim
     q = q.reshape(-1, hq, layer.qk_head_dim)
     out = q.new_zeros((q.shape[0], hq, dv))  # rows past the batch's (graph padding) stay zero

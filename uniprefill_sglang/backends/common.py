@@ -6,7 +6,7 @@ KV write, the prefix view, and the sliding-window layers after a drop, which eve
 serves with `kernels.positional_attention`). The views themselves are built by kv_validity.py.
 
 An attention layer after a drop may run its survivors in pieces (model_integration.py,
-`ctx.row_piece`): a piece's queries see what the unpieced layer's would, the stage's valid
+`ctx.pieces.span`): a piece's queries see what the unpieced layer's would, the stage's valid
 prefix, their request's rows ahead of the piece (written by earlier pieces) and, causally, the
 piece's own rows (`row_piece`, `stage_keys`)."""
 
@@ -41,12 +41,12 @@ def needs_view(ctx, runtime, layer=None) -> bool:
     read KV through a per-stage view? Stage 0 holds every token; a later stage needs one once a
     drop compacted the batch, while a request lacks KV there, or always under the staged KV
     layout, whose later stages keep their KV in pools of their own."""
-    if runtime is None or ctx is None or ctx.sparse is None:
+    if runtime is None or ctx is None or ctx.kv.sparse is None:
         return False
     if layer is not None and (getattr(layer, "is_cross_attention", False)
                               or runtime.stages.stage(layer.layer_id) == 0):
         return False
-    return ctx.compacted or any(ctx.sparse) or runtime.slots.staged
+    return ctx.survivors.compacted or any(ctx.kv.sparse) or runtime.slots.staged
 
 
 def extend_needs_view(ctx, runtime, layer) -> bool:
@@ -86,7 +86,7 @@ def decode_needs_views(ctx, runtime) -> bool:
 
 def decode_has_sparse(ctx) -> bool:
     """Does some request of a decode step lack KV in a later stage?"""
-    return ctx is not None and not ctx.is_extend and bool(ctx.sparse) and any(ctx.sparse)
+    return ctx is not None and not ctx.is_extend and bool(ctx.kv.sparse) and any(ctx.kv.sparse)
 
 
 class StageViewAdapter:
@@ -179,13 +179,13 @@ def host_seq_lens(fb, bs: int) -> torch.Tensor:
 
 def decode_stage_kv_lens(ctx, fb, bs: int, num_stages: int) -> torch.Tensor:
     """[D, bs] on the host: row k holds each decode row's KV length at stage k + 1, its sequence
-    length minus the KV its request lacks there (`ctx.kv_gaps`, from the host mirror). Rows past
+    length minus the KV its request lacks there (`ctx.kv.gaps`, from the host mirror). Rows past
     the batch's requests (CUDA-graph padding) keep their whole sequence."""
     seq = host_seq_lens(fb, bs)
     gaps = torch.zeros(bs, num_stages, dtype=torch.int32)
-    if ctx.kv_gaps:
-        n = min(bs, len(ctx.kv_gaps))
-        gaps[:n] = torch.tensor(ctx.kv_gaps[:n], dtype=torch.int32)
+    if ctx.kv.gaps:
+        n = min(bs, len(ctx.kv.gaps))
+        gaps[:n] = torch.tensor(ctx.kv.gaps[:n], dtype=torch.int32)
     return seq.unsqueeze(0) - gaps.T
 
 
@@ -198,23 +198,24 @@ def extend_view_slots(runtime, req_to_token, fb, stage: int):
 
 def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None, positions=False):
     """Extend at `stage` (> 0): each request's valid prefix, the slots of positions before its
-    first current row (`ctx.fixed_lens`; for a final chunk whose parked rows rejoined, before
-    those rows) whose KV the stage holds. Returns `kv_validity.compact`'s (counts, indptr,
-    indices), and with `positions` each listed slot's position too. Every later stage's view is
-    built at the first call of a forward, in one gather and one compaction (`fixed_lens`
-    changes only at the first drop, before any later stage runs), and cached on the drop
-    context. Under UNIPREFILL_CHECK_KV_LENS the counts are checked against the host's
-    `ctx.prefix_valid`, which the plans use."""
+    first current row (`ctx.survivors.fixed_lens`; for a final chunk whose parked rows
+    rejoined, before those rows) whose KV the stage holds. Returns `kv_validity.compact`'s
+    (counts, indptr, indices), and with `positions` each listed slot's position too. Every later
+    stage's view is built at the first call of a forward, in one gather and one compaction
+    (`fixed_lens` changes only at the first drop, before any later stage runs), and cached on
+    the drop context. Under UNIPREFILL_CHECK_KV_LENS the counts are checked against the host's
+    `ctx.kv.prefix_valid`, which the plans use."""
     cache = view_cache(ctx, "prefix_views")
     views = cache.get((dtype, positions))
     if views is None:
         bs = fb.req_pool_indices.shape[0]
-        lens = to_device(ctx.fixed_lens, torch.int64, fb.req_pool_indices.device)
+        fixed_lens = ctx.survivors.fixed_lens
+        lens = to_device(fixed_lens, torch.int64, fb.req_pool_indices.device)
         views = stage_views(runtime.slots, req_to_token, fb.req_pool_indices, lens,
-                            sum(ctx.fixed_lens[:bs]), bs, dtype=dtype, positions=positions)
+                            sum(fixed_lens[:bs]), bs, dtype=dtype, positions=positions)
         if runtime.check_kv_lens:
             for k, counts in enumerate(views[0]):
-                check_kv_lens(torch.tensor([p[k + 1] for p in ctx.prefix_valid]), counts,
+                check_kv_lens(torch.tensor([p[k + 1] for p in ctx.kv.prefix_valid]), counts,
                               f"extend prefix stage {k + 1}")
         cache[(dtype, positions)] = views
     return tuple(v[stage - 1] for v in views)
@@ -248,12 +249,12 @@ def piece_members(lens, fixed_lens, piece):
 
 
 class RowPiece(NamedTuple):
-    """The survivors an attention layer's call runs: all of them, or the piece `ctx.row_piece` of
-    a sublayer run in pieces. Per request in batch order: its rows in the piece (0 where it has
-    none) and its rows ahead of the piece, whose KV earlier pieces wrote at this layer and which
-    its rows in the piece attend to after the stage's valid prefix (0 for a request without rows
-    in the piece: it attends to nothing)."""
-    rows: slice  # of the survivors (`ctx.positions`, `ctx.out_cache_loc`)
+    """The survivors an attention layer's call runs: all of them, or the piece
+    `ctx.pieces.span` of a sublayer run in pieces. Per request in batch order: its rows in the
+    piece (0 where it has none) and its rows ahead of the piece, whose KV earlier pieces wrote
+    at this layer and which its rows in the piece attend to after the stage's valid prefix (0
+    for a request without rows in the piece: it attends to nothing)."""
+    rows: slice  # of the survivors (`ctx.survivors.positions`, `ctx.survivors.out_cache_loc`)
     lens: List[int]
     ahead: List[int]
 
@@ -265,14 +266,15 @@ class RowPiece(NamedTuple):
 
 
 def row_piece(ctx) -> RowPiece:
-    bs = len(ctx.lens)
-    if ctx.row_piece is None:
-        return RowPiece(slice(0, sum(ctx.lens)), list(ctx.lens), [0] * bs)
-    members, rows, ahead = piece_members(ctx.lens, [0] * bs, ctx.row_piece)
+    survivor_lens, span = ctx.survivors.lens, ctx.pieces.span
+    bs = len(survivor_lens)
+    if span is None:
+        return RowPiece(slice(0, sum(survivor_lens)), list(survivor_lens), [0] * bs)
+    members, rows, ahead = piece_members(survivor_lens, [0] * bs, span)
     lens, before = [0] * bs, [0] * bs
     for b, n, a in zip(members, rows, ahead):
         lens[b], before[b] = n, a
-    return RowPiece(slice(*ctx.row_piece), lens, before)
+    return RowPiece(slice(*span), lens, before)
 
 
 class StateLayerRows(NamedTuple):
@@ -288,28 +290,29 @@ class StateLayerRows(NamedTuple):
 
 def state_layer_rows(ctx, slots: torch.Tensor) -> StateLayerRows:
     """`slots`: every request's state slot, as upstream's metadata holds them."""
-    members, rows, before = piece_members(ctx.lens, ctx.fixed_lens, ctx.row_piece)
+    survivors = ctx.survivors
+    members, rows, before = piece_members(survivors.lens, survivors.fixed_lens, ctx.pieces.span)
     query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
     torch.cumsum(torch.tensor(rows, dtype=torch.int32), 0, out=query_start_loc[1:])
     if ctx.parking.parked_now:
         slots = slots.clone()
         slots[torch.tensor(ctx.parking.parked_now, device=slots.device)] = -1
-    if len(members) < len(ctx.lens):
+    if len(members) < len(survivors.lens):
         slots = slots[torch.tensor(members, device=slots.device)]
     return StateLayerRows(query_start_loc.to(slots.device), rows, before, slots)
 
 
 def view_cache(ctx, key: str) -> dict:
     """A per-forward cache on the drop context (views planned once, run by every layer)."""
-    return ctx.views.setdefault(key, {})
+    return ctx.kv.views.setdefault(key, {})
 
 
 def extend_qo_indptr(ctx, stage: int) -> torch.Tensor:
     """[bs + 1] int64 on the device: each request's rows that the layers of `stage` run now as
-    offsets: its survivors (`ctx.lens`, which each drop shrinks), or its rows in the current
-    piece (`row_piece`). Built once per stage and piece per forward."""
+    offsets: its survivors (`ctx.survivors.lens`, which each drop shrinks), or its rows in the
+    current piece (`row_piece`). Built once per stage and piece per forward."""
     cache = view_cache(ctx, "qo_indptr")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     qo_indptr = cache.get(key)
     if qo_indptr is None:
         qo_indptr = _offsets(row_piece(ctx).lens, ctx.forward_batch.req_pool_indices.device)
@@ -339,7 +342,7 @@ def stage_keys(runtime, req_to_token, ctx, stage: int, through: List[int],
     pos = pos[0] if positions else None
     if not any(through):
         return indptr, indices, pos
-    n_prefix = sum(p[stage] for p in ctx.prefix_valid)  # the host mirror of `counts`
+    n_prefix = sum(p[stage] for p in ctx.kv.prefix_valid)  # the host mirror of `counts`
     n_rows = sum(through)
     rows_indptr = _offsets(through, device)
     kv_indptr = (indptr.to(torch.int64) + rows_indptr).to(indptr.dtype)
@@ -353,11 +356,13 @@ def stage_keys(runtime, req_to_token, ctx, stage: int, through: List[int],
     # ... and its first `through[b]` survivors land right after its prefix.
     seg = segment_ids(rows_indptr[1:] - rows_indptr[:-1], n_rows)
     arange = torch.arange(n_rows, device=device)
-    src = to_device(ctx.segment_starts(), torch.int64, device)[seg] + arange - rows_indptr[seg]
+    survivors = ctx.survivors
+    starts = to_device(survivors.segment_starts(), torch.int64, device)
+    src = starts[seg] + arange - rows_indptr[seg]
     to = indptr.to(torch.int64)[seg + 1] + arange
-    kv_indices[to] = runtime.slots.pool_slots(ctx.out_cache_loc[src], stage).to(torch.int64)
+    kv_indices[to] = runtime.slots.pool_slots(survivors.out_cache_loc[src], stage).to(torch.int64)
     if positions:
-        kv_pos[to] = ctx.positions[src].to(torch.int64)
+        kv_pos[to] = survivors.positions[src].to(torch.int64)
     return kv_indptr, kv_indices, kv_pos
 
 
@@ -371,7 +376,7 @@ def window_extend_keys(runtime, req_to_token, ctx, stage: int):
     as (qo_indptr, kv_indptr, kv_indices, kv_pos), the slots in the stage's pool and their
     original positions. Built once per stage and piece per forward."""
     cache = view_cache(ctx, "window_extend_keys")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     keys = cache.get(key)
     if keys is not None:
         return keys
@@ -406,7 +411,7 @@ def window_extend_attention(runtime, pool, req_to_token, layer, q, ctx, stage: i
     `window_extend_keys`."""
     piece = row_piece(ctx)
     keys = window_extend_keys(runtime, req_to_token, ctx, stage)
-    return window_attention(pool, layer, q, ctx.positions[piece.rows], keys, window,
+    return window_attention(pool, layer, q, ctx.survivors.positions[piece.rows], keys, window,
                             max(piece.lens), sinks=sinks)
 
 

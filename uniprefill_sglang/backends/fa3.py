@@ -96,7 +96,7 @@ def page_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, width: int) ->
 def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
     """The `_VIEW_FIELDS` values of `stage` for the rows this call runs."""
     cache = view_cache(ctx, "_uniprefill_fa3_views")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     view = cache.get(key)
     if view is not None:
         return view
@@ -104,7 +104,7 @@ def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
     through = piece.through
     kv_indptr, kv_indices, _ = stage_keys(runtime, backend.req_to_token, ctx, stage, through)
     # Host lengths: the stage's valid prefix (the plans' mirror) and the rows through the piece.
-    counts = [p[stage] + t for p, t in zip(ctx.prefix_valid, through)]
+    counts = [p[stage] + t for p, t in zip(ctx.kv.prefix_valid, through)]
     width = max(counts, default=0)
     view = (page_table(kv_indptr, kv_indices, max(width, 1)),
             (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32),
@@ -128,7 +128,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
     stage = runtime.stages.stage(layer.layer_id)
     if save_kv_cache:
-        slots = ctx.out_cache_loc[row_piece(ctx).rows]
+        slots = ctx.survivors.out_cache_loc[row_piece(ctx).rows]
         write_kv(backend.token_to_kv_pool, layer, slots, k, v, layer.k_scale, layer.v_scale)
     window = sliding_window(layer)
     if window is not None:

@@ -2,21 +2,23 @@
 
 A layer of stage s may attend, for request b, to the slots of b's sequence whose KV it holds
 (`slot_stage >= s`) in position order, named by the stage pool's slots under the staged KV
-layout (stage_pools.py); after a drop the surviving new tokens are exactly the
-last `ctx.lens[b]` entries of that list (their slots are FULL, the dropped ones are below s, and
-so are the rows that chunked prefill parked and did not keep). So plain causal paged attention
-(query i of qo_len sees kv entries up to kv_len - qo_len + i) over that compacted list is exact.
+layout (stage_pools.py); after a drop the surviving new tokens are exactly the last
+`ctx.survivors.lens[b]` entries of that list (their slots are FULL, the dropped ones are below
+s, and so are the rows that chunked prefill parked and did not keep). So plain causal paged
+attention (query i of qo_len sees kv entries up to kv_len - qo_len + i) over that compacted list
+is exact.
 
 * Extend (EXTEND / MIXED): at the first layer of a stage that needs a view (stage > 0 and the
   batch is compacted or holds a sparse prefix) that stage's wrappers are planned from host
-  lengths (`ctx.lens`, the valid prefix counted when the forward began), cached on the drop
-  context and run by every layer of the stage. Like upstream, the survivors attend to each other
-  through the ragged wrapper on the layer's own K/V (paged attention at page size 1 gathers
-  every key through an index: 1.16-1.24x slower on an H200, benchmarks/bench_extend_attention.py)
-  and to the stage's valid prefix, if any, through a paged wrapper, merged by log-sum-exp; where
-  upstream does not use its ragged wrapper, one causal paged wrapper runs over the whole
-  compacted list. Those layers write KV for the survivors only (`ctx.out_cache_loc`). Stage 0
-  runs upstream code, and so do dense batches under the shared layout.
+  lengths (`ctx.survivors.lens`, the valid prefix counted when the forward began), cached on the
+  drop context and run by every layer of the stage. Like upstream, the survivors attend to each
+  other through the ragged wrapper on the layer's own K/V (paged attention at page size 1
+  gathers every key through an index: 1.16-1.24x slower on an H200,
+  benchmarks/bench_extend_attention.py) and to the stage's valid prefix, if any, through a paged
+  wrapper, merged by log-sum-exp; where upstream does not use its ragged wrapper, one causal
+  paged wrapper runs over the whole compacted list. Those layers write KV for the survivors only
+  (`ctx.survivors.out_cache_loc`). Stage 0 runs upstream code, and so do dense batches under the
+  shared layout.
 * Extend in pieces (a layer run over the survivors in pieces, `common.row_piece`): the same
   wrappers' description for one piece, its rows as the current ones and their request's rows
   ahead of the piece joining the valid prefix (`common.stage_keys`), planned by the layer's call
@@ -297,39 +299,40 @@ def _ragged_wrapper(backend, ctx, stage: int, cache: dict):
     """The survivors' causal attention among themselves: one wrapper per row layout, planned
     once and run by every stage that sees the same rows (all of them in a step that moved no
     row, such as a follow-up over a sparse cached prefix)."""
-    key = ("ragged", tuple(ctx.lens))
+    key = ("ragged", tuple(ctx.survivors.lens))
     ragged = cache.get(key)
     if ragged is None:
         ragged = cache[key] = _wrapper(backend, "ragged", stage)
-        _plan_ragged(backend, ragged, ctx.lens)
+        _plan_ragged(backend, ragged, ctx.survivors.lens)
     return ragged
 
 
 def _plan_extend_view(backend, runtime, ctx, fb, stage: int) -> _StageView:
     """Plan (once per stage per forward) the wrappers of `stage`. Lengths come from the host:
     the prefix's valid KV at this stage (counted when the forward began) and the rows alive."""
-    if ctx.row_piece is not None:
+    if ctx.pieces.span is not None:
         return _plan_piece_view(backend, runtime, ctx, stage)
     cache = view_cache(ctx, "_uniprefill_fi_views")
     view = cache.get(stage)
     if view is not None:
         return view
     req_to_token = backend.req_to_token_pool.req_to_token
-    prefix_lens = [p[stage] for p in ctx.prefix_valid]
+    prefix_lens = [p[stage] for p in ctx.kv.prefix_valid]
     if backend.forward_metadata.use_ragged:
         view = _StageView(ragged=_ragged_wrapper(backend, ctx, stage, cache))
         if any(prefix_lens):
             _, _, indices = prefix_view(runtime, req_to_token, fb, ctx, stage)
             view.prefix = _wrapper(backend, "prefix", stage)
-            _plan_paged(backend, view.prefix, ctx.lens, prefix_lens, indices, causal=False)
+            _plan_paged(backend, view.prefix, ctx.survivors.lens, prefix_lens, indices,
+                        causal=False)
     else:
         seq, valid = extend_view_slots(runtime, req_to_token, fb, stage)
         counts, _, indices = compact(seq.slots, seq.bounds, valid)
-        kv_lens = [p + n for p, n in zip(prefix_lens, ctx.lens)]
+        kv_lens = [p + n for p, n in zip(prefix_lens, ctx.survivors.lens)]
         if runtime.check_kv_lens:
             check_kv_lens(torch.tensor(kv_lens), counts, f"extend stage {stage}")
         view = _StageView(paged=_wrapper(backend, "paged", stage))
-        _plan_paged(backend, view.paged, ctx.lens, kv_lens, indices, causal=True)
+        _plan_paged(backend, view.paged, ctx.survivors.lens, kv_lens, indices, causal=True)
     cache[stage] = view
     return view
 
@@ -344,7 +347,7 @@ def _plan_piece_view(backend, runtime, ctx, stage: int) -> _StageView:
     piece = row_piece(ctx)
     req_to_token = backend.req_to_token_pool.req_to_token
     # The stage's valid prefix and the rows ahead of the piece, whose KV earlier pieces wrote.
-    prefix_lens = [p[stage] + a for p, a in zip(ctx.prefix_valid, piece.ahead)]
+    prefix_lens = [p[stage] + a for p, a in zip(ctx.kv.prefix_valid, piece.ahead)]
     if backend.forward_metadata.use_ragged:
         view = _StageView(ragged=_wrapper(backend, "ragged", PIECE))
         _plan_ragged(backend, view.ragged, piece.lens, non_blocking=False)
@@ -392,7 +395,8 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     view = (None if window is not None
             else _plan_extend_view(backend, runtime, ctx, ctx.forward_batch, stage))
     if save_kv_cache:
-        write_kv(backend.token_to_kv_pool, layer, ctx.out_cache_loc[row_piece(ctx).rows], k, v,
+        write_kv(backend.token_to_kv_pool, layer,
+                 ctx.survivors.out_cache_loc[row_piece(ctx).rows], k, v,
                  *backend._kv_write_scales(layer))
     if window is not None:
         return window_extend_attention(runtime, backend.token_to_kv_pool,

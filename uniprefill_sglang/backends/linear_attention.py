@@ -5,17 +5,17 @@ state over its survivors.
 SGLang's GDN backend reads a packed batch through its forward metadata (`query_start_loc`: each
 request's rows; `mamba_cache_indices`: each request's state slot) and the ForwardBatch's
 `extend_prefix_lens` (a request with earlier tokens starts from its slot's state) and
-`extend_seq_lens_cpu`. After a drop the rows are the survivors (`ctx.lens` per request), so a
-linear layer of a later stage runs with those fields describing them:
+`extend_seq_lens_cpu`. After a drop the rows are the survivors (`ctx.survivors.lens` per
+request), so a linear layer of a later stage runs with those fields describing them:
 
-* `query_start_loc` from `ctx.lens`;
+* `query_start_loc` from `ctx.survivors.lens`;
 * a request starts from its slot's state where the survivors of earlier forwards passed
-  through this layer (`ctx.fixed_lens` > 0). A final chunk whose parked rows rejoin at the
-  first drop starts from the prompt's beginning (`fixed_lens` 0): its earlier chunks stopped
-  at the first drop, so no row reached this layer before;
+  through this layer (`ctx.survivors.fixed_lens` > 0). A final chunk whose parked rows rejoin
+  at the first drop starts from the prompt's beginning (`fixed_lens` 0): its earlier chunks
+  stopped at the first drop, so no row reached this layer before;
 * a chunk that parks in this forward goes on with one row (the logits SGLang expects, then
   discarded): its state slot is left alone (index -1, which the kernels skip).
-* a mixer run in pieces (model_integration.py, `ctx.row_piece`) sees the requests with rows
+* a mixer run in pieces (model_integration.py, `ctx.pieces.span`) sees the requests with rows
   in the piece, each starting from its slot's state where its earlier rows passed before.
 
 Decode steps and the layers before the first drop run upstream code unchanged. The torch
@@ -49,7 +49,7 @@ def survivors_view(ctx, metadata, fb, stage: int):
     forward (the rows change only at a drop). A request continues from its slot's state where
     rows of it passed through the layer before: in earlier forwards, or in earlier pieces."""
     cache = view_cache(ctx, "_uniprefill_gdn_views")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     if key in cache:
         return cache[key]
     layout = state_layer_rows(ctx, metadata.mamba_cache_indices)
@@ -65,7 +65,7 @@ def forward_extend(original, backend, layer, forward_batch, mixed_qkv, a, b, **k
     """AROUND `GDNAttnBackend.forward_extend`."""
     runtime, ctx = active_runtime(), drop_context(forward_batch)
     stage = runtime.stages.stage(layer.layer_id) if runtime is not None else 0
-    if ctx is None or not ctx.is_extend or not ctx.compacted or stage == 0:
+    if ctx is None or not ctx.is_extend or not ctx.survivors.compacted or stage == 0:
         return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     metadata, fb = backend.forward_metadata, forward_batch
     if metadata.has_mamba_track_mask:

@@ -8,10 +8,10 @@ request's rows; `has_initial_state`, whether it resumes its slot's state; `cache
 state slot), and the layer runs its own `causal_conv1d_fn` against it. After a drop a conv
 layer of a later stage gets the handle describing the survivors, by the rule of the Gated
 DeltaNet layers (linear_attention.py; both read `common.state_layer_rows`): rows from
-`ctx.lens`; a request resumes its slot's state only where survivors of earlier forwards (or
-earlier pieces of this one) passed through this layer; a chunk that parks in this forward goes
-on with one row and leaves its slot alone (index -1, which the kernel skips). Decode steps and
-the layers before the first drop get upstream's handle.
+`ctx.survivors.lens`; a request resumes its slot's state only where survivors of earlier
+forwards (or earlier pieces of this one) passed through this layer; a chunk that parks in this
+forward goes on with one row and leaves its slot alone (index -1, which the kernel skips).
+Decode steps and the layers before the first drop get upstream's handle.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def conv_state_metadata(original, backend, layer_id, forward_batch, *args, **kwa
     """AROUND `ShortConvAttnBackend.conv_state_metadata`."""
     meta = original(backend, layer_id, forward_batch, *args, **kwargs)
     runtime, ctx = active_runtime(), drop_context(forward_batch)
-    if (runtime is None or ctx is None or not ctx.is_extend or not ctx.compacted
+    if (runtime is None or ctx is None or not ctx.is_extend or not ctx.survivors.compacted
             or runtime.stages.stage(layer_id) == 0):
         return meta
     cache = view_cache(ctx, "_uniprefill_short_conv")
     stage = runtime.stages.stage(layer_id)
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     fields = cache.get(key)
     if fields is None:
         fields = cache[key] = _survivor_fields(ctx, meta)

@@ -83,7 +83,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     stage = runtime.stages.stage(layer.layer_id)
     piece = row_piece(ctx)
     q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)  # Gemma 3 passes [1, n, H, D]
-    _write_kv(backend, layer, ctx.out_cache_loc[piece.rows], k, v, save_kv_cache)
+    _write_kv(backend, layer, ctx.survivors.out_cache_loc[piece.rows], k, v, save_kv_cache)
     o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
     q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
@@ -92,14 +92,14 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     req_to_token = backend.req_to_token_pool.req_to_token
     seq_lens = fb.seq_lens_cpu.tolist()
     rows = fb.req_pool_indices.tolist()
-    positions = ctx.positions[piece.rows]
+    positions = ctx.survivors.positions[piece.rows]
     s = 0
     for b, (n, ahead) in enumerate(zip(piece.lens, piece.ahead)):
         if n == 0:
             continue
         # Keys through the piece's last row: the prefix, the rows ahead, the piece's own.
-        sparse = ctx.sparse[b] and stage > 0
-        before = (ctx.prefix_valid[b][stage] if sparse else ctx.fixed_lens[b]) + ahead
+        sparse = ctx.kv.sparse[b] and stage > 0
+        before = (ctx.kv.prefix_valid[b][stage] if sparse else ctx.survivors.fixed_lens[b]) + ahead
         if sparse:
             slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
             slots = runtime.slots.pool_slots(slots[: before + n], stage)
@@ -138,7 +138,7 @@ def forward_decode(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     seq_lens = fb.seq_lens_cpu.tolist()
     rows = fb.req_pool_indices.tolist()
     for b in range(len(rows)):
-        if ctx.sparse[b]:
+        if ctx.kv.sparse[b]:
             slots, kpos = runtime.slots.valid_slots(req_to_token[rows[b], : seq_lens[b]], stage)
             slots = runtime.slots.pool_slots(slots, stage)
             window = sliding_window(layer)

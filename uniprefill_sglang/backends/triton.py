@@ -6,11 +6,11 @@ invariant):
 
 * Extend (stage > 0, compacted batch or sparse prefix): the extend kernel takes the survivors'
   q/k/v directly (causal among them) and, as its "prefix", each request's valid slots at this
-  stage before its first current row (`ctx.fixed_lens`; chunked prefill's rejoining parked rows
-  are current rows). Built once per stage per forward (cached on the drop context); the layer
-  writes KV for the survivors only. A layer run in pieces (`common.row_piece`) takes a piece's
-  rows as the current ones, and as their prefix also their request's rows ahead of the piece
-  (`common.stage_keys`), once per stage and piece.
+  stage before its first current row (`ctx.survivors.fixed_lens`; chunked prefill's rejoining
+  parked rows are current rows). Built once per stage per forward (cached on the drop context);
+  the layer writes KV for the survivors only. A layer run in pieces (`common.row_piece`) takes a
+  piece's rows as the current ones, and as their prefix also their request's rows ahead of the
+  piece (`common.stage_keys`), once per stage and piece.
 * Extend on a sliding-window layer (Gemma 3's local layers): upstream's kernel counts the
   window in KV entries, which is wrong once entries are missing, so the layer runs
   `kernels.positional_attention` over each request's valid prefix and current rows, masked by
@@ -123,7 +123,7 @@ ADAPTER = TritonAdapter()
 # ---- extend ----------------------------------------------------------------------------------
 def _extend_view(backend, runtime, ctx, stage: int):
     cache = view_cache(ctx, "_uniprefill_triton_views")
-    key = (stage, ctx.row_piece)
+    key = (stage, ctx.pieces.span)
     view = cache.get(key)
     if view is not None:
         return view
@@ -153,7 +153,7 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     # is a static copy).
     kv_indptr, kv_indices, qo_indptr, max_extend_len = _extend_view(backend, runtime, ctx, stage)
     if save_kv_cache:
-        slots = ctx.out_cache_loc[row_piece(ctx).rows]
+        slots = ctx.survivors.out_cache_loc[row_piece(ctx).rows]
         if layer.k_scale is None:
             write_kv(backend.token_to_kv_pool, layer, slots, k, v)
         else:
