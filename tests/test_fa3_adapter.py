@@ -108,3 +108,23 @@ def test_a_view_the_call_cannot_take_is_refused_naming_why():
             (served, kv, {"rel_bias": object()}, "a rel_bias")):
         with pytest.raises(UniPrefillError, match=f"SomeBackend layer 3 .*\\({why}\\)"):
             refuse_unservable_view(Adapter(), backend, layer, k, kv, kwargs)
+
+
+def test_sliding_window_layers_are_served_unless_their_pool_or_an_fp8_cache_is_separate():
+    """gpt-oss's (and a named fa3 Gemma 3's) sliding-window layers run the positional kernel
+    after a drop; SGLang's separate sliding-window pool and an fp8 cache there are not served."""
+    from uniprefill_sglang.backends.fa3 import ADAPTER
+
+    def backend(**over):
+        fields = dict(page_size=1, use_mla=False, has_swa=True, use_sliding_window_kv_pool=False,
+                      has_local_attention=False, is_encoder_decoder=False,
+                      token_to_kv_pool=SimpleNamespace(dtype=torch.bfloat16))
+        return SimpleNamespace(**{**fields, **over})
+
+    assert ADAPTER.unsupported_reason(backend()) is None
+    assert "sliding-window KV pool" in ADAPTER.unsupported_reason(
+        backend(use_sliding_window_kv_pool=True))
+    assert "fp8" in ADAPTER.unsupported_reason(
+        backend(token_to_kv_pool=SimpleNamespace(dtype=torch.float8_e4m3fn)))
+    assert ADAPTER.unsupported_reason(backend(has_swa=False, token_to_kv_pool=SimpleNamespace(
+        dtype=torch.float8_e4m3fn))) is None
