@@ -33,7 +33,8 @@ def _pairs_reference(positions: list, window) -> int:
                if window is None or q >= p - window)
 
 
-def _prefill_reference(kept: list, drop_layers: list, shape: FlopShape) -> float:
+def _prefill_reference(kept: list, drop_layers: list, shape: FlopShape,
+                       density: float = 1.0) -> float:
     prompt, total, stage = kept[0], 0.0, 0
     for layer, kind in enumerate(shape.layer_kinds):
         rows = _spread(kept[min(stage, len(kept) - 1)], prompt)
@@ -44,8 +45,9 @@ def _prefill_reference(kept: list, drop_layers: list, shape: FlopShape) -> float
             total += 2 * shape.conv_params * n + shape.conv_mix_flops * n
         else:
             window = shape.sliding_window if kind == SLIDING_ATTENTION else None
+            share = 1.0 if kind == SLIDING_ATTENTION else density  # block-sparse: full layers
             total += 2 * shape.attention_params * n + \
-                4 * shape.num_heads * shape.head_dim * _pairs_reference(rows, window)
+                4 * shape.num_heads * shape.head_dim * _pairs_reference(rows, window) * share
         if stage < len(drop_layers) and layer == drop_layers[stage]:
             stage += 1
         total += 2 * shape.mlp_params * kept[min(stage, len(kept) - 1)]
@@ -84,6 +86,26 @@ def test_prefill_flops_equals_the_count_dense_and_after_drops():
         # After a drop the window's share is an estimate: within 3% of the explicit count.
         got, want = prefill_flops(kept, drops, shape), _prefill_reference(kept, drops, shape)
         assert got == pytest.approx(want, rel=0.03)
+
+
+def test_block_sparse_density_scales_the_full_attention_pairs_only():
+    rng = random.Random()
+    for _ in range(6):
+        depth = rng.randrange(6, 9)
+        kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, SHORT_CONV))
+                 for _ in range(depth)]
+        shape = _random_shape(rng, kinds, window=rng.randrange(8, 64))
+        prompt, density = rng.randrange(150, 300), rng.uniform(0.05, 1.0)
+        drops = sorted(rng.sample(range(1, depth - 1), 2))
+        kept = [prompt, rng.randrange(60, prompt), rng.randrange(20, 60)]
+        assert prefill_flops([prompt], (), shape, density) == pytest.approx(
+            _prefill_reference([prompt], [], shape, density), rel=1e-12)
+        assert prefill_flops(kept, drops, shape, density) == pytest.approx(
+            _prefill_reference(kept, drops, shape, density), rel=0.03)
+        # Sparser attention never costs more, and density 1 is the dense count.
+        assert flop_ideal_speedup([kept], drops, shape, density) >= \
+            flop_ideal_speedup([kept], drops, shape) * (1 - 1e-12)
+        assert prefill_flops(kept, drops, shape, 1.0) == prefill_flops(kept, drops, shape)
 
 
 def test_a_window_costs_less_than_full_attention():

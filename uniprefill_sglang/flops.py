@@ -127,26 +127,33 @@ def attended_pairs(n: int, window: Optional[int] = None) -> int:
     return w * (w + 1) // 2 + (n - w) * w
 
 
-def layer_flops(shape: FlopShape, kind: str, n: int, prompt_len: int) -> float:
-    """The token mixer of one layer of `kind` on n rows of a prompt of `prompt_len` tokens."""
+def layer_flops(shape: FlopShape, kind: str, n: int, prompt_len: int,
+                attention_density: float = 1.0) -> float:
+    """The token mixer of one layer of `kind` on n rows of a prompt of `prompt_len` tokens; a
+    full-attention layer attends `attention_density` of its causal pairs (block-sparse
+    attention; sliding-window layers stay dense, as served)."""
     if kind == LINEAR_ATTENTION:
         return 2.0 * shape.linear_params * n + shape.linear_state_flops * n
     if kind == SHORT_CONV:
         # in_proj to (B, C, x), out_proj back; B*x, the kernel's taps and C*y per channel.
         return 2.0 * shape.conv_params * n + shape.conv_mix_flops * n
-    window = None
+    window, density = None, attention_density
     if kind == SLIDING_ATTENTION and shape.sliding_window:
         window = round((shape.sliding_window + 1) * n / max(prompt_len, 1))
+        density = 1.0
     # QK^T and PV: 2 FLOPs per multiply-add, head_dim of each per head and pair.
     return 2.0 * shape.attention_params * n + 4.0 * shape.num_heads * shape.head_dim * \
-        attended_pairs(n, window)
+        attended_pairs(n, window) * density
 
 
-def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: FlopShape) -> float:
-    """Prefill FLOPs of one prompt whose stage s holds `kept[s]` rows (the last repeats)."""
+def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: FlopShape,
+                  attention_density: float = 1.0) -> float:
+    """Prefill FLOPs of one prompt whose stage s holds `kept[s]` rows (the last repeats), its
+    full-attention layers attending `attention_density` of their causal pairs."""
     total, stage = 0.0, 0
     for layer, kind in enumerate(shape.layer_kinds):
-        total += layer_flops(shape, kind, kept[min(stage, len(kept) - 1)], kept[0])
+        total += layer_flops(shape, kind, kept[min(stage, len(kept) - 1)], kept[0],
+                             attention_density)
         if stage < len(drop_layers) and layer == drop_layers[stage]:
             stage += 1
         total += 2.0 * shape.mlp_params * kept[min(stage, len(kept) - 1)]
@@ -154,9 +161,10 @@ def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: FlopSh
 
 
 def flop_ideal_speedup(kept_per_prompt: Sequence[Sequence[int]], drop_layers: Sequence[int],
-                       shape: FlopShape) -> float:
-    """Dense FLOPs over UniPrefill FLOPs, summed over the prompts."""
+                       shape: FlopShape, attention_density: float = 1.0) -> float:
+    """Dense FLOPs over UniPrefill FLOPs (with block-sparse attention at `attention_density`),
+    summed over the prompts."""
     dense = sum(prefill_flops([k[0]], (), shape) for k in kept_per_prompt)
-    sparse = sum(prefill_flops(k, drop_layers, shape) for k in kept_per_prompt)
+    sparse = sum(prefill_flops(k, drop_layers, shape, attention_density) for k in kept_per_prompt)
     return dense / sparse if sparse else 1.0
 
