@@ -11,23 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from cuda_timing import median_ms
 from result_header import result_header
-
-
-def time_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (and compilation)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def fa3_dense(q, k, v, sm_scale):
@@ -118,7 +105,7 @@ def main() -> None:
         dense, dense_path = fa3_dense(q, k, v, scale), "fa3 dense"
         if dense is None:
             dense, dense_path = flashinfer_dense(q, k, v, scale), "flashinfer dense (no FA3 here)"
-        dense_ms = round(time_ms(dense, args.repeats), 3) if dense is not None else None
+        dense_ms = round(median_ms(dense, args.repeats), 3) if dense is not None else None
         rows.append({"keys": n_k, "queries": n_q, "path": dense_path, "ms": dense_ms})
         print(f"| {n_k} | {dense_path} | - | 1.0 | {dense_ms} | 1.00 | - |")
         block_sizes = [int(x) for x in args.block_sizes.split(",")]
@@ -130,14 +117,14 @@ def main() -> None:
                     def estimate():
                         return block_mask_reference(q, k, bs, density=density, sink_blocks=1,
                                                     local_blocks=1, sm_scale=scale)
-                    est_ms = time_ms(estimate, args.repeats)
+                    est_ms = median_ms(estimate, args.repeats)
                     mask = estimate().to(dev)
                 indptr, indices = block_lists_from_mask(mask)
                 realised = indices.numel() / (float(causal_block_pairs(n_q, n_k, bs).sum())
                                               * mask.shape[0])
                 out = torch.empty_like(q)
                 for heads in [int(x) for x in args.heads_per_tile.split(",")]:
-                    ms = time_ms(lambda: block_sparse_attention_from_lists(
+                    ms = median_ms(lambda: block_sparse_attention_from_lists(
                         q, k, v, indptr, indices, mask.shape[0], bs, scale, out=out,
                         heads_per_tile=heads or None), args.repeats)
                     over = round(dense_ms / ms, 3) if dense_ms else None
@@ -155,7 +142,7 @@ def main() -> None:
                     try:
                         if isinstance(run, str):
                             raise RuntimeError(run)
-                        row["ms"] = round(time_ms(run, args.repeats), 3)
+                        row["ms"] = round(median_ms(run, args.repeats), 3)
                         row["dense_over_it"] = round(dense_ms / row["ms"], 3) if dense_ms else None
                     except Exception as e:  # noqa: BLE001 - recorded in the result
                         row["error"] = f"{type(e).__name__}: {e}"[:300]

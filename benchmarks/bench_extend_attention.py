@@ -10,23 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from cuda_timing import median_ms
 from result_header import result_header
-
-
-def time_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (and JIT)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,8 +50,8 @@ def main() -> None:
                    causal=True, q_data_type=dt, kv_data_type=dt)
         paged_kv = pool.view(2 * n, 2, 1, hk, d)  # page size 1
         diff = (ragged.run(q, k, v).float() - paged.run(q, paged_kv).float()).abs().max().item()
-        t_r = time_ms(lambda: ragged.run(q, k, v), args.repeats)
-        t_p = time_ms(lambda: paged.run(q, paged_kv), args.repeats)
+        t_r = median_ms(lambda: ragged.run(q, k, v), args.repeats)
+        t_p = median_ms(lambda: paged.run(q, paged_kv), args.repeats)
         rows.append(dict(tokens=n, ragged_ms=t_r, paged_ms=t_p, ratio=t_p / t_r, max_diff=diff))
         print(f"| {n} | {t_r:.2f} | {t_p:.2f} | {t_p / t_r:.2f}x | {diff:.1e} |", flush=True)
     if args.out:

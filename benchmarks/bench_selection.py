@@ -25,11 +25,11 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
+from cuda_timing import median_ms
 from result_header import result_header
 
 H200_TFLOPS = 790.0
@@ -72,22 +72,6 @@ def make_inputs(L, B, n, hq, hkv, d, dtype, shuffle_slots, seed=0):
     k_indptr = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * L
     return dict(q=q, q_pos=q_pos, q_indptr=q_indptr, k_cache=k_cache, k_slots=k_slots, k_pos=k_pos,
                 k_indptr=k_indptr, sm_scale=d ** -0.5)
-
-
-def cuda_time_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def peak_extra_bytes(fn):
@@ -170,9 +154,9 @@ class Shape:
 
 
 def time_triton(shape: Shape, row: dict, args) -> None:
-    row["triton_score_ms"] = cuda_time_ms(shape.tri_score, args.warmup, args.iters)
-    row["triton_select_ms"] = cuda_time_ms(shape.tri_select, args.warmup, args.iters)
-    row["triton_total_ms"] = cuda_time_ms(shape.tri_all, args.warmup, args.iters)
+    row["triton_score_ms"] = median_ms(shape.tri_score, args.iters, warmup=args.warmup)
+    row["triton_select_ms"] = median_ms(shape.tri_select, args.iters, warmup=args.warmup)
+    row["triton_total_ms"] = median_ms(shape.tri_all, args.iters, warmup=args.warmup)
     row["triton_peak_extra_mib"] = peak_extra_bytes(shape.tri_all) / 2**20
     kept = int(shape.tri_select()[1].sum())
     row["kept_fraction"] = kept / (shape.L * shape.B)
@@ -201,7 +185,7 @@ def time_reference(shape: Shape, row: dict, args) -> None:
     row["max_rel_err_vs_ref"] = None
     if shape.L * shape.B <= args.ref_max_total:
         try:
-            row["ref_total_ms"] = cuda_time_ms(shape.ref_all, 1, args.ref_iters)
+            row["ref_total_ms"] = median_ms(shape.ref_all, args.ref_iters, warmup=1)
             row["ref_peak_extra_mib"] = peak_extra_bytes(shape.ref_all) / 2**20
             if args.check:
                 ref = shape.K.score_tokens_reference(**shape.inp, compute_dtype=torch.float32,
@@ -224,7 +208,7 @@ def sweep_tiles(st, shape: Shape, args) -> list:
             return st.score_tokens_triton(**shape.inp, max_q=shape.n, max_k=shape.L,
                                           out=shape.scores_buf, **cfg)
         try:
-            ms = cuda_time_ms(f, args.warmup, args.iters)
+            ms = median_ms(f, args.iters, warmup=args.warmup)
         except Exception as e:  # noqa: BLE001 (report and continue)
             ms = f"error: {type(e).__name__}: {e}"[:200]
         out.append(dict(cfg=cfg, score_ms=ms))

@@ -71,16 +71,21 @@ def _random_shape(rng, kinds, window=0) -> FlopShape:
                      conv_params=rng.randrange(1, 10**6), conv_mix_flops=rng.randrange(1, 10**4))
 
 
+def _random_case(rng):
+    """A model of mixed layer kinds, a prompt, two drops and the rows each stage keeps."""
+    depth = rng.randrange(6, 9)
+    kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, SHORT_CONV))
+             for _ in range(depth)]
+    shape = _random_shape(rng, kinds, window=rng.randrange(8, 64))
+    prompt = rng.randrange(150, 300)
+    drops = sorted(rng.sample(range(1, depth - 1), 2))
+    return shape, prompt, drops, [prompt, rng.randrange(60, prompt), rng.randrange(20, 60)]
+
+
 def test_prefill_flops_equals_the_count_dense_and_after_drops():
     rng = random.Random()
     for _ in range(6):
-        depth = rng.randrange(6, 9)
-        kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, SHORT_CONV))
-                 for _ in range(depth)]
-        shape = _random_shape(rng, kinds, window=rng.randrange(8, 64))
-        prompt = rng.randrange(150, 300)
-        drops = sorted(rng.sample(range(1, depth - 1), 2))
-        kept = [prompt, rng.randrange(60, prompt), rng.randrange(20, 60)]
+        shape, prompt, drops, kept = _random_case(rng)
         # Dense: exact.
         assert prefill_flops([prompt], (), shape) == _prefill_reference([prompt], [], shape)
         # After a drop the window's share is an estimate: within 3% of the explicit count.
@@ -91,13 +96,8 @@ def test_prefill_flops_equals_the_count_dense_and_after_drops():
 def test_block_sparse_density_scales_the_full_attention_pairs_only():
     rng = random.Random()
     for _ in range(6):
-        depth = rng.randrange(6, 9)
-        kinds = [rng.choice((FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION, SHORT_CONV))
-                 for _ in range(depth)]
-        shape = _random_shape(rng, kinds, window=rng.randrange(8, 64))
-        prompt, density = rng.randrange(150, 300), rng.uniform(0.05, 1.0)
-        drops = sorted(rng.sample(range(1, depth - 1), 2))
-        kept = [prompt, rng.randrange(60, prompt), rng.randrange(20, 60)]
+        shape, prompt, drops, kept = _random_case(rng)
+        density = rng.uniform(0.05, 1.0)
         assert prefill_flops([prompt], (), shape, density) == pytest.approx(
             _prefill_reference([prompt], [], shape, density), rel=1e-12)
         assert prefill_flops(kept, drops, shape, density) == pytest.approx(

@@ -202,6 +202,14 @@ def forced_keep_workload(engine, prompt: list, other: list, greedy: dict = GREED
     return res
 
 
+def agreeing_prefix(a: list, b: list) -> int:
+    """How many leading tokens two greedy outputs share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def selected_engines(engines: dict, unsupported: Optional[dict] = None) -> tuple:
     """(names to run, skipped: name -> why): every engine but those the model's SGLang does
     not serve (`unsupported`: name -> why) and, when UNIPREFILL_GPU_TEST_ENGINES names some

@@ -17,7 +17,7 @@ On both backends, in bfloat16, with decode CUDA graphs:
 from __future__ import annotations
 
 import pytest
-from engine_harness import forced_keep_workload, random_prompts
+from engine_harness import agreeing_prefix, forced_keep_workload, random_prompts
 
 VOCAB_SIZE = 512
 ENGINES = {
@@ -72,12 +72,6 @@ def test_forced_keep_drops_and_batches_alike(results, name):
         [res["forced"]["output_ids"], res["other"]["output_ids"]]
 
 
-def agreeing_prefix(a: list, b: list) -> int:
-    """How many leading tokens two greedy outputs share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])

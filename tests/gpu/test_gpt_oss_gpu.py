@@ -29,7 +29,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_harness import forced_keep_workload, random_model_results, random_prompts, serve_and_record  # noqa: E402
+from engine_harness import (agreeing_prefix, forced_keep_workload, random_model_results,  # noqa: E402
+                            random_prompts, serve_and_record)
 from test_gpt_oss import CONFIG as CPU_CONFIG  # noqa: E402
 
 CONFIG = dict(CPU_CONFIG, hidden_size=256, intermediate_size=256, head_dim=64,
@@ -83,10 +84,8 @@ def test_forced_keep_drops_and_batches_alike(results, name):
 def test_chunked_keeps_and_answers_as_whole(results, pair):
     whole, chunked = (results[n] for n in pair)
     assert _meta(chunked["forced"])["kept_tokens"] == _meta(whole["forced"])["kept_tokens"]
-    horizon = 0  # dense's own agreement chunked against whole (bfloat16 rounding)
-    while horizon < len(whole["dense"]["output_ids"]) and \
-            chunked["dense"]["output_ids"][horizon] == whole["dense"]["output_ids"][horizon]:
-        horizon += 1
+    # Held to dense's own agreement chunked against whole (bfloat16 rounding).
+    horizon = agreeing_prefix(chunked["dense"]["output_ids"], whole["dense"]["output_ids"])
     assert horizon >= 4
     for key in ("forced", "full"):
         assert chunked[key]["output_ids"][:horizon] == whole[key]["output_ids"][:horizon], key
