@@ -210,6 +210,46 @@ def agreeing_prefix(a: list, b: list) -> int:
     return n
 
 
+def _last_meta(rec) -> dict:
+    return rec["uniprefill"][-1]
+
+
+def check_forced_keep(res: dict, prompt_len: int, last_below: float,
+                      no_reason: bool = False) -> None:
+    """`forced_keep_workload`'s forced keep dropped to under `last_below` of the prompt by its
+    last stage (with `no_reason`, without any fallback reason) and answered the same batched
+    with the other prompt."""
+    meta = _last_meta(res["forced"])
+    kept = meta["kept_tokens"]
+    assert meta["enabled"] and kept[0] == prompt_len, meta
+    assert not no_reason or meta["reason"] is None, meta
+    assert kept[-1] < last_below * prompt_len, kept
+    assert [_last_meta(o)["kept_tokens"] for o in res["batch"]] == \
+        [kept, _last_meta(res["other"])["kept_tokens"]]
+    assert [o["output_ids"] for o in res["batch"]] == \
+        [res["forced"]["output_ids"], res["other"]["output_ids"]]
+
+
+def check_chunked_as_whole(whole: dict, chunked: dict) -> None:
+    """The same engine chunked keeps what it keeps whole (the final chunk scores the whole
+    prompt with its last queries) and answers alike as far as dense itself does: stock
+    SGLang's chunked prefill rounds differently in bfloat16 (a chunk attends to its prefix and
+    to itself in two merged passes), so dense may answer otherwise chunked (on the H200, LFM2
+    on FlashInfer from its 7th token)."""
+    assert _last_meta(chunked["forced"])["kept_tokens"] == \
+        _last_meta(whole["forced"])["kept_tokens"]
+    horizon = agreeing_prefix(chunked["dense"]["output_ids"], whole["dense"]["output_ids"])
+    assert horizon >= 4, (chunked["dense"]["output_ids"], whole["dense"]["output_ids"])
+    for key in ("forced", "full"):
+        assert chunked[key]["output_ids"][:horizon] == whole[key]["output_ids"][:horizon], key
+
+
+def check_nothing_left(state: dict) -> None:
+    """Idle, nothing parked, every KV slot free."""
+    assert state["idle"] and state["parked_requests"] == 0, state
+    assert state["available_kv_tokens"] == state["max_total_num_tokens"], state
+
+
 def selected_engines(engines: dict, unsupported: Optional[dict] = None) -> tuple:
     """(names to run, skipped: name -> why): every engine but those the model's SGLang does
     not serve (`unsupported`: name -> why) and, when UNIPREFILL_GPU_TEST_ENGINES names some

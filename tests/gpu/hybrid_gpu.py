@@ -17,7 +17,8 @@ On both backends, in bfloat16, with decode CUDA graphs:
 from __future__ import annotations
 
 import pytest
-from engine_harness import agreeing_prefix, forced_keep_workload, random_prompts
+from engine_harness import (check_chunked_as_whole, check_forced_keep, check_nothing_left,
+                            forced_keep_workload, random_prompts)
 
 VOCAB_SIZE = 512
 ENGINES = {
@@ -62,37 +63,18 @@ def test_top_p_one_is_token_identical_to_dense(results, name):
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_forced_keep_drops_and_batches_alike(results, name):
     res = results[name]
-    kept = _meta(res["forced"])["kept_tokens"]
-    assert _meta(res["forced"])["enabled"] and kept[0] == len(PROMPT), kept
-    assert kept[-1] < 0.25 * len(PROMPT), kept
-    assert [_meta(o)["kept_tokens"] for o in res["batch"]] == \
-        [kept, _meta(res["other"])["kept_tokens"]]
     print(f"{name}: forced {res['forced']['output_ids']}, dense {res['dense']['output_ids']}")
-    assert [o["output_ids"] for o in res["batch"]] == \
-        [res["forced"]["output_ids"], res["other"]["output_ids"]]
-
-
+    check_forced_keep(res, len(PROMPT), 0.25)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
 def test_forced_keep_answers_the_same_chunked(results, pair):
-    whole, chunked = (results[n] for n in pair)
-    # The final chunk scored the whole prompt with its last queries: stage 0 holds every token.
-    assert _meta(chunked["forced"])["kept_tokens"] == _meta(whole["forced"])["kept_tokens"]
-    # Stock SGLang's chunked prefill rounds differently in bfloat16 (a chunk attends to its
-    # prefix and to itself in two merged passes): dense itself may answer otherwise chunked (on
-    # the H200, LFM2 on FlashInfer from its 7th token). UniPrefill is held to dense's horizon.
-    horizon = agreeing_prefix(chunked["dense"]["output_ids"], whole["dense"]["output_ids"])
-    assert horizon >= 4, (chunked["dense"]["output_ids"], whole["dense"]["output_ids"])
-    for key in ("forced", "full"):
-        assert chunked[key]["output_ids"][:horizon] == whole[key]["output_ids"][:horizon], key
+    check_chunked_as_whole(*(results[n] for n in pair))
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_no_parked_state_or_slot_left(results, name):
-    state = results[name]["state"]
-    assert state["idle"] and state["parked_requests"] == 0, state
-    assert state["available_kv_tokens"] == state["max_total_num_tokens"], state
+    check_nothing_left(results[name]["state"])
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])

@@ -29,7 +29,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_harness import (agreeing_prefix, forced_keep_workload, random_model_results,  # noqa: E402
+from engine_harness import (check_chunked_as_whole, check_forced_keep,  # noqa: E402
+                            check_nothing_left, forced_keep_workload, random_model_results,
                             random_prompts, serve_and_record)
 from test_gpt_oss import CONFIG as CPU_CONFIG  # noqa: E402
 
@@ -70,32 +71,17 @@ def test_top_p_one_is_token_identical_to_dense(results, name):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_forced_keep_drops_and_batches_alike(results, name):
-    res = results[name]
-    meta = _meta(res["forced"])
-    assert meta["enabled"] and meta["reason"] is None, meta
-    assert meta["kept_tokens"][0] == len(PROMPT) and meta["kept_tokens"][1] < 0.5 * len(PROMPT)
-    assert [_meta(o)["kept_tokens"] for o in res["batch"]] == \
-        [meta["kept_tokens"], _meta(res["other"])["kept_tokens"]]
-    assert [o["output_ids"] for o in res["batch"]] == \
-        [res["forced"]["output_ids"], res["other"]["output_ids"]]
+    check_forced_keep(results[name], len(PROMPT), 0.5, no_reason=True)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
 def test_chunked_keeps_and_answers_as_whole(results, pair):
-    whole, chunked = (results[n] for n in pair)
-    assert _meta(chunked["forced"])["kept_tokens"] == _meta(whole["forced"])["kept_tokens"]
-    # Held to dense's own agreement chunked against whole (bfloat16 rounding).
-    horizon = agreeing_prefix(chunked["dense"]["output_ids"], whole["dense"]["output_ids"])
-    assert horizon >= 4
-    for key in ("forced", "full"):
-        assert chunked[key]["output_ids"][:horizon] == whole[key]["output_ids"][:horizon], key
+    check_chunked_as_whole(*(results[n] for n in pair))
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_no_parked_state_or_slot_left(results, name):
-    state = results[name]["state"]
-    assert state["idle"] and state["parked_requests"] == 0, state
-    assert state["available_kv_tokens"] == state["max_total_num_tokens"], state
+    check_nothing_left(results[name]["state"])
 
 
 if __name__ == "__main__":
