@@ -48,6 +48,15 @@ def test_attend_is_the_reference_over_the_estimated_mask(seed, shape, rule):
         assert int(kept) == causal
 
 
+def test_the_flag_offers_the_kernels_estimates():
+    from uniprefill_sglang.config import BLOCK_SPARSE_ESTIMATES, DEFAULT_LAST_QUERIES
+    from uniprefill_sglang.kernels import ESTIMATES
+    from uniprefill_sglang.kernels.block_sparse_reference import DEFAULT_ESTIMATE_LAST_QUERIES
+
+    assert BLOCK_SPARSE_ESTIMATES == ESTIMATES  # the torch-free config keeps its own copy
+    assert DEFAULT_ESTIMATE_LAST_QUERIES == DEFAULT_LAST_QUERIES
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_attend_without_a_rule_is_causal_attention(seed, shape):

@@ -4,8 +4,9 @@ A request's prefill chunk attends, layer by layer, only to the key blocks an est
 (`kernels.block_mask_reference`: mean-pooled query and key blocks, or the exact attention of the
 chunk's last `--uniprefill-last-queries` queries, or the union of both picks, per
 `--uniprefill-block-sparse-estimate`; then a fixed density or the blocks holding a top-p of the
-estimated mass, the sink block and each query block's own diagonal block always kept) and runs `kernels.block_sparse_attention` over them: the Triton
-kernel on a GPU (the triton and fa3 prefill backends), its torch path on the CPU.
+estimated mass, the sink block and each query block's own diagonal block always kept) and runs
+`kernels.block_sparse_attention` over them: the Triton kernel on a GPU (the triton and fa3
+prefill backends), its torch path on the CPU.
 
 Which keys a chunk's queries read is what the adapter's dense attention would read: at a layer
 before the first drop every token of the request's sequence (its cached or earlier chunks'
