@@ -15,7 +15,8 @@ Public API (installed as ``uniprefill_sglang.kernels``):
   ``block_sparse_reference.block_sparse_attention_gathered`` in float32, which gathers each
   query block's kept key blocks, and the oracle ``block_sparse_attention_reference`` in
   float64, which masks dense attention); the mask comes from
-  ``block_mask_reference`` (pooled estimate, top_p or fixed density, sink and local blocks)
+  ``block_mask_reference`` (pooled estimate, or ``last_query_block_mass``'s exact attention of
+  the chunk's last queries, or both; top_p or fixed density, sink and local blocks)
   and ``block_density`` is the fraction of causal block pairs it keeps
 
 Dispatch, by each function's ``path`` argument: ``None`` takes Triton when the tensors are on
@@ -33,12 +34,14 @@ from typing import Optional, Tuple
 import torch
 
 from .block_sparse_reference import (
+    ESTIMATES,
     block_density,
     block_lists_from_mask,
     block_mask_reference,
     block_mass_estimate,
     block_sparse_attention_gathered,
     block_sparse_attention_reference,
+    last_query_block_mass,
 )
 from .positional_reference import positional_attention_reference
 from .reference import (
@@ -63,6 +66,8 @@ __all__ = [
     "positional_attention_reference",
     "block_mask_reference",
     "block_mass_estimate",
+    "last_query_block_mass",
+    "ESTIMATES",
     "block_density",
     "block_lists_from_mask",
     "block_sparse_attention_gathered",

@@ -20,6 +20,8 @@ mean-pooled; per query head, the logits ``pooled_q . pooled_k * sm_scale`` plus 
 number of the block's keys the query block may see (a block's mass is then that of its keys
 each scored as the pooled key) go through a softmax over the causal key blocks; the heads of a
 KV group average their distributions.  With ``block_size = 1`` it is the exact attention.
+The other estimate (``last_query_block_mass``, ``block_mask_reference(estimate=...)``) scores
+key blocks by the exact attention of the chunk's last queries instead, or with it.
 
 The mask is per KV head (``[Hkv, R, C]``): the heads of a group read the same K/V, so they
 share one key-block list (FlashInfer's variable-block wrapper takes one per KV head too), and
@@ -70,6 +72,10 @@ import torch
 from .reference import RATIO_EPS
 
 F64 = torch.float64
+# The block estimates `block_mask_reference` takes (its docstring), and how many of the chunk's
+# last queries the "last_queries" estimate reads unless told (the drop's default window).
+ESTIMATES = ("pooled", "last_queries", "both")
+DEFAULT_ESTIMATE_LAST_QUERIES = 128
 
 
 def _check_int(name: str, value, lowest: int) -> int:
@@ -177,6 +183,58 @@ def block_mass_estimate(
     return probs.mean(dim=0, keepdim=True)
 
 
+def last_query_block_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    block_size: int,
+    last_queries: int,
+    sm_scale: Optional[float] = None,
+    q_offset: Optional[int] = None,
+    per_kv_head: bool = True,
+) -> torch.Tensor:
+    """The "last_queries" estimate: key blocks scored by the exact attention of the chunk's
+    last queries (MInference's and FlexPrefill's vertical pattern: what the prompt's end, the
+    question, reads is kept for every query block).
+
+    The last ``min(last_queries, n_q)`` query rows' causal softmax attention over every key,
+    in float64, summed per key block and averaged over those queries and the query heads of a
+    KV group (of every head with ``per_kv_head=False``); each query block's row is that
+    distribution restricted to its causal blocks (``0..a0 + r``) and renormalised to 1 (a row
+    whose causal blocks got no mass is uniform over them).  Returns float64 ``[Hkv or 1, R,
+    C]``, the layout of ``block_mass_estimate``.  Unlike the pooled estimate, a single key
+    holding the last queries' attention keeps its block however diluted among the block's
+    other keys; rows far from the end lose what only they attend to (their own local context
+    is kept as the local blocks).  Work: ``Hq * last_queries * n_k`` logits, one head at a time.
+    """
+    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
+    last_queries = _check_int("last_queries", last_queries, 1)
+    a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
+    q_offset = resolve_q_offset(n_q, n_k, q_offset)
+    if sm_scale is None:
+        sm_scale = q.shape[2] ** -0.5
+    heads = hkv if per_kv_head else 1
+    if nr == 0:
+        return torch.zeros(heads, 0, nc, dtype=F64, device=q.device)
+    m = min(last_queries, n_q)
+    qpos = q_offset + torch.arange(n_q - m, n_q, device=q.device)
+    key_pos = torch.arange(n_k, device=q.device)
+    future = key_pos[None, :] > qpos[:, None]  # [m, n_k]
+    key_block = key_pos // block_size
+    group = hq // hkv
+    col_mass = torch.zeros(hq, nc, dtype=F64, device=q.device)
+    for h in range(hq):
+        logits = torch.matmul(q[n_q - m:, h].to(F64), k[:, h // group].to(F64).T) * float(sm_scale)
+        probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)  # [m, n_k]
+        col_mass[h].index_add_(0, key_block, probs.sum(0))
+    col_mass /= m
+    col_mass = col_mass.reshape(hkv, group, nc).mean(1) if per_kv_head else col_mass.mean(0, keepdim=True)
+    causal = causal_block_pairs(n_q, n_k, block_size, q_offset).to(q.device)  # [R, C]
+    rows = col_mass[:, None, :] * causal  # [H, R, C]
+    total = rows.sum(-1, keepdim=True)
+    uniform = causal.to(F64) / causal.sum(-1, keepdim=True)
+    return torch.where(total > 0, rows / total.clamp_min(torch.finfo(F64).tiny), uniform.expand_as(rows))
+
+
 def forced_blocks(
     n_q: int, n_k: int, block_size: int, sink_blocks: int, local_blocks: int, last_blocks: int = 0,
     q_offset: Optional[int] = None,
@@ -252,16 +310,38 @@ def block_mask_reference(
     sm_scale: Optional[float] = None,
     q_offset: Optional[int] = None,
     per_kv_head: bool = True,
+    estimate: str = "pooled",
+    last_queries: int = DEFAULT_ESTIMATE_LAST_QUERIES,
 ) -> torch.Tensor:
     """Which key blocks each query block reads: bool ``[Hkv or 1, R, C]`` (module docstring).
 
     q ``[n_q, Hq, D]`` and k ``[n_k, Hkv, D]`` post-RoPE; sm_scale defaults to ``D ** -0.5``.
+    ``estimate`` (one of ``ESTIMATES``) scores the key blocks:
+
+    * ``"pooled"``: ``block_mass_estimate`` (mean-pooled blocks);
+    * ``"last_queries"``: ``last_query_block_mass`` over the chunk's last ``last_queries``
+      queries;
+    * ``"both"``: the union of the blocks each of the two selects under the same rule.  The
+      union, not a mean of the two masses: every row then keeps ``top_p`` of each estimate's
+      mass, so it is never less faithful than either alone (a block only the last queries
+      attend to keeps its full weight instead of half of it, which a mean could let fall under
+      the cut); it costs density, at most the sum of the two (twice ``density`` under the
+      fixed-density rule).
     """
     n_q, n_k, _, _ = check_qk_shapes(q, k)
-    mass = block_mass_estimate(q, k, block_size, sm_scale, q_offset, per_kv_head)
+    if estimate not in ESTIMATES:
+        raise ValueError(f"estimate must be one of {', '.join(ESTIMATES)}, got {estimate!r}")
     forced = forced_blocks(n_q, n_k, block_size, sink_blocks, local_blocks, last_blocks, q_offset)
     causal = causal_block_pairs(n_q, n_k, block_size, q_offset)
-    return select_blocks(mass, forced, causal, top_p=top_p, density=density)
+    mask = None
+    if estimate in ("pooled", "both"):
+        mass = block_mass_estimate(q, k, block_size, sm_scale, q_offset, per_kv_head)
+        mask = select_blocks(mass, forced, causal, top_p=top_p, density=density)
+    if estimate in ("last_queries", "both"):
+        mass = last_query_block_mass(q, k, block_size, last_queries, sm_scale, q_offset, per_kv_head)
+        picked = select_blocks(mass, forced, causal, top_p=top_p, density=density)
+        mask = picked if mask is None else mask | picked
+    return mask
 
 
 def block_density(mask: torch.Tensor, n_q: int, n_k: int, block_size: int,

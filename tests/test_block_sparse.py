@@ -7,6 +7,7 @@ scaled_dot_product_attention in float64 with an explicit bottom-right causal mas
 """
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from uniprefill_sglang.kernels.block_sparse_reference import (  # noqa: E402
     block_sparse_attention_reference,
     causal_block_pairs,
     forced_blocks,
+    last_query_block_mass,
+    select_blocks,
 )
 from uniprefill_sglang.kernels.reference import num_blocks_for_ratio  # noqa: E402
 
@@ -443,6 +446,113 @@ def test_estimate_finds_planted_blocks(seed):
     token_mask = mask[:, rows][:, :, torch.arange(n_k) // bs].repeat_interleave(hq // hkv, 0)
     kept = (probs * token_mask).sum(-1)
     assert float(kept.mean()) > 0.98 and float(kept.min()) > 0.9, (float(kept.mean()), float(kept.min()))
+
+
+def last_query_mass_loop(q, k, block_size, last_queries, sm_scale, q_offset=None, shared=False):
+    """``last_query_block_mass`` written out: one query, one head, one key at a time."""
+    n_q, hq, _ = q.shape
+    n_k, hkv, _ = k.shape
+    off = n_k - n_q if q_offset is None else q_offset
+    a0, nr, nc = block_grid(n_q, n_k, block_size, off)
+    group, m = hq // hkv, min(last_queries, n_q)
+    col = torch.zeros(hkv, nc, dtype=torch.float64)
+    for h in range(hq):
+        for i in range(n_q - m, n_q):
+            seen = off + i + 1
+            logits = [float(q[i, h].double() @ k[t, h // group].double()) * sm_scale for t in range(seen)]
+            top = max(logits)
+            weights = [math.exp(x - top) for x in logits]
+            for t, w in enumerate(weights):
+                col[h // group, t // block_size] += w / sum(weights) / (m * group)
+    if shared:  # every head's mean (the groups have one size)
+        col = col.mean(0, keepdim=True)
+    out = torch.zeros(col.shape[0], nr, nc, dtype=torch.float64)
+    for g in range(col.shape[0]):
+        for r in range(nr):
+            visible = col[g, :a0 + r + 1]
+            out[g, r, :a0 + r + 1] = visible / visible.sum()
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size, last_queries", [(16, 8), (7, 100), (16, 1)])
+def test_last_query_mass_is_the_loop_and_rows_are_causal_distributions(seed, shape, block_size,
+                                                                        last_queries):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, d=8, q_scale=3.0)
+    mass = last_query_block_mass(q, k, block_size, last_queries, sm_scale=0.4, q_offset=off)
+    causal = causal_block_pairs(n_q, n_k, block_size, off)
+    assert mass.dtype == torch.float64 and mass.shape == (hkv, *causal.shape)
+    assert torch.isfinite(mass).all() and (mass >= 0).all() and (mass[:, ~causal] == 0).all()
+    assert torch.allclose(mass.sum(-1), torch.ones_like(mass.sum(-1)), atol=1e-12)
+    want = last_query_mass_loop(q, k, block_size, last_queries, 0.4, off)
+    assert torch.allclose(mass, want, rtol=1e-10, atol=1e-12)
+    # one mask for every head: the mean over all heads, renormalised per row the same way
+    shared = last_query_block_mass(q, k, block_size, last_queries, sm_scale=0.4, q_offset=off,
+                                   per_kv_head=False)
+    want = last_query_mass_loop(q, k, block_size, last_queries, 0.4, off, shared=True)
+    assert shared.shape == want.shape == (1, *causal.shape)
+    assert torch.allclose(shared, want, rtol=1e-10, atol=1e-12)
+
+
+def test_last_query_mass_with_no_queries_and_a_row_without_mass():
+    q, k, _ = make_qkv(3, 0, 40, 2, 1)
+    assert last_query_block_mass(q, k, 16, 8).shape == (1, 0, 3)
+    # the last query reads only the last block: earlier rows' causal blocks got no mass (exp
+    # underflows) and are uniform instead of NaN
+    q, k, _ = make_qkv(4, 48, 48, 1, 1, d=4)
+    k[:32] = 0.0
+    k[32:] = 1.0
+    q[:] = 1000.0
+    mass = last_query_block_mass(q, k, 16, 1)
+    assert torch.equal(mass[0, 0], torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    assert torch.equal(mass[0, 1], torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64))
+    assert torch.equal(mass[0, 2], torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_last_queries_keep_a_needle_block_for_every_row(seed):
+    """One needle key, which the chunk's last queries attend to, in a random far block: at top-p
+    0.5 the last-query estimate keeps its block for every query block that sees it, at a low
+    density; the pooled estimate averages the needle with its block's 15 random keys."""
+    g = torch.Generator().manual_seed(200 + seed)
+    n_q, n_k, hq, hkv, d, bs, last = 256, 256, 4, 2, 32, 16, 16
+    q = torch.randn(n_q, hq, d, generator=g)
+    k = torch.randn(n_k, hkv, d, generator=g)
+    needle = int(torch.randint(bs, n_k - 4 * bs, (1,), generator=g))
+    u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    k[needle] = 6.0 * u
+    q[-last:] += 6.0 * u  # logit 36 / sqrt(32) ~ 6.4 above the others
+    c = needle // bs
+    rows = torch.arange(c, n_k // bs)  # the query blocks that see the needle's block
+    for estimate in ("last_queries", "both"):
+        mask = block_mask_reference(q, k, bs, top_p=0.5, estimate=estimate, last_queries=last)
+        assert mask[:, rows, c].all(), (estimate, needle)
+    lq = block_mask_reference(q, k, bs, top_p=0.5, estimate="last_queries", last_queries=last)
+    assert block_density(lq, n_q, n_k, bs) < 0.4
+    pooled = block_mask_reference(q, k, bs, top_p=0.5)
+    assert not pooled[:, rows, c].all()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("select", [dict(top_p=0.7), dict(density=0.4)])
+def test_estimate_argument_selects_each_estimate_and_their_union(seed, shape, select):
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, q_scale=3.0)
+    kw = dict(sink_blocks=1, local_blocks=1, q_offset=off, **select)
+    forced = forced_blocks(n_q, n_k, 16, 1, 1, 0, off)
+    causal = causal_block_pairs(n_q, n_k, 16, off)
+    pooled = block_mask_reference(q, k, 16, **kw)
+    assert torch.equal(block_mask_reference(q, k, 16, estimate="pooled", **kw), pooled)
+    last = block_mask_reference(q, k, 16, estimate="last_queries", last_queries=8, **kw)
+    want = select_blocks(last_query_block_mass(q, k, 16, 8, q_offset=off), forced, causal, **select)
+    assert torch.equal(last, want)
+    both = block_mask_reference(q, k, 16, estimate="both", last_queries=8, **kw)
+    assert torch.equal(both, pooled | last)
+    with pytest.raises(ValueError, match="estimate must be one of"):
+        block_mask_reference(q, k, 16, estimate="mean", **kw)
 
 
 def test_block_lists_round_trip():

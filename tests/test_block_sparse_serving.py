@@ -32,19 +32,31 @@ def _qkv(seed, n_q, n_k, hq, hkv, d=16, dv=8):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rule", [("density", 0.3), ("top_p", 0.8), ("density", 1.0)])
+@pytest.mark.parametrize("rule", [("density", 0.3, "pooled", 128), ("top_p", 0.8, "pooled", 128),
+                                  ("density", 1.0, "pooled", 128),
+                                  ("top_p", 0.8, "last_queries", 8), ("top_p", 0.8, "both", 32),
+                                  ("density", 0.3, "last_queries", 128)])
 def test_attend_is_the_reference_over_the_estimated_mask(seed, shape, rule):
     n_q, n_k, hq, hkv, bs = shape
     q, k, v = _qkv(seed, n_q, n_k, hq, hkv)
     out, kept, causal = block_sparse.attend(q, k, v, rule, bs, 0.25, path="reference")
     mask = block_mask_reference(q, k, bs, **{rule[0]: rule[1]}, sink_blocks=1, local_blocks=1,
-                                sm_scale=0.25)
+                                sm_scale=0.25, estimate=rule[2], last_queries=rule[3])
     want = block_sparse_attention_reference(q, k, v, mask, bs, 0.25)
     assert out.dtype == q.dtype and out.shape == (n_q, hq, v.shape[2])
     assert torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5)
     assert int(kept) / causal == pytest.approx(block_density(mask, n_q, n_k, bs))
-    if rule == ("density", 1.0):
+    if rule[:2] == ("density", 1.0):
         assert int(kept) == causal
+
+
+def test_the_flag_offers_the_kernels_estimates():
+    from uniprefill_sglang.config import BLOCK_SPARSE_ESTIMATES, DEFAULT_LAST_QUERIES
+    from uniprefill_sglang.kernels import ESTIMATES
+    from uniprefill_sglang.kernels.block_sparse_reference import DEFAULT_ESTIMATE_LAST_QUERIES
+
+    assert BLOCK_SPARSE_ESTIMATES == ESTIMATES  # the torch-free config keeps its own copy
+    assert DEFAULT_ESTIMATE_LAST_QUERIES == DEFAULT_LAST_QUERIES
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -80,7 +92,7 @@ def _runtime(config, chunks=None, backend="TorchNativeAttnBackend"):
                                  prefill_backend=backend)
 
 
-def _decision(rid, block_sparse=("density", 0.3), final_chunk=True, reason=None):
+def _decision(rid, block_sparse=("density", 0.3, "pooled", 128), final_chunk=True, reason=None):
     return RequestDecision(True, (0.99,), (), reason, rid=rid, final_chunk=final_chunk,
                            block_sparse=block_sparse)
 
@@ -94,7 +106,8 @@ def test_plan_keeps_short_sequences_and_decode_rows_dense_and_carries_chunks():
                  _decision("e", reason="decode")]
     ctx = _ctx(decisions, fixed_lens=[0, 200, 300, 0, 500], lens=[300, 50, 10, 400, 1])
     step = block_sparse.plan_step(runtime, ctx)
-    assert step.rules == [("density", 0.3), None, ("density", 0.3), None, None]
+    rule = ("density", 0.3, "pooled", 128)
+    assert step.rules == [rule, None, rule, None, None]
     assert step.asked == [True, True, True, False, False]
     assert runtime.block_sparse_chunks == {}  # the earlier chunks' tally moved to the step
     step.tally(2, torch.tensor(10), 100)

@@ -2,8 +2,8 @@
 SmolLM2-135M-Instruct, through the torch_native adapter.
 
 Two engines: one with the option off at start-up, requests turning it on with their knobs
-(against dense, a fixed density, with drops, over the radix cache), and one with it on by flag
-and chunked prefill. Each `*_run` fixture starts its engine, runs what the tests need, shuts it
+(against dense, a fixed density, each block estimate, with drops, over the radix cache), and one
+with it on by flag (the last-query estimate) and chunked prefill. Each `*_run` fixture starts its engine, runs what the tests need, shuts it
 down and returns the outputs (`Engine.shutdown()` kills every child process: engines never
 overlap).
 """
@@ -25,6 +25,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 BLOCK = 64
 MIN_TOKENS = 256  # prompts here are longer: every prefill step runs block-sparse
 DENSITY = "uniprefill_block_sparse_density"
+ESTIMATE = "uniprefill_block_sparse_estimate"
 ALL_KEPT = {"uniprefill_top_p": 1.0}  # drops run and keep every token
 
 
@@ -79,6 +80,10 @@ def knob_run(smollm2_path, tokenizer):
             "full": fresh(PROMPT, {**ALL_KEPT, DENSITY: 1.0}),
             "sparse": fresh(PROMPT, {**ALL_KEPT, DENSITY: 0.3}),
             "top_p": fresh(PROMPT, {**ALL_KEPT, "uniprefill_block_sparse_top_p": 0.9}),
+            "last_queries": fresh(PROMPT, {**ALL_KEPT, "uniprefill_block_sparse_top_p": 0.9,
+                                           ESTIMATE: "last_queries"}),
+            "both": fresh(PROMPT, {**ALL_KEPT, "uniprefill_block_sparse_top_p": 0.9,
+                                   ESTIMATE: "both"}),
             "dropped": fresh(PROMPT, {"uniprefill_keep_ratio": 0.5, DENSITY: 0.3}),
         }
         sparse = {**ALL_KEPT, DENSITY: 0.3}
@@ -93,6 +98,11 @@ def knob_run(smollm2_path, tokenizer):
             run["bad_knob"] = None
         except Exception as e:  # noqa: BLE001 - the engine raises what the tokenizer refused
             run["bad_knob"] = str(e)
+        try:
+            engine.generate(PROMPT, dict(GREEDY, custom_params={DENSITY: 0.3, ESTIMATE: "mean"}))
+            run["bad_estimate"] = None
+        except Exception as e:  # noqa: BLE001
+            run["bad_estimate"] = str(e)
         run["pool"] = idle_state(engine)
         return run
     finally:
@@ -103,9 +113,12 @@ def knob_run(smollm2_path, tokenizer):
 def chunked_run(smollm2_path, knob_run):
     engine = make_cpu_engine(smollm2_path, enable_uniprefill=True, chunked_prefill_size=256,
                              uniprefill_block_sparse_density=0.3,
+                             uniprefill_block_sparse_estimate="last_queries",
                              uniprefill_block_sparse_min_tokens=MIN_TOKENS)
     try:
         return {"out": engine.generate(PROMPT, dict(GREEDY, custom_params=ALL_KEPT)),
+                "pooled": engine.generate(PROMPT, dict(GREEDY, custom_params={
+                    **ALL_KEPT, ESTIMATE: "pooled"})),
                 "pool": idle_state(engine)}
     finally:
         engine.shutdown()
@@ -128,6 +141,17 @@ def test_a_fixed_density_is_realised_and_answers(knob_run):
     assert 0.0 < _entry(knob_run["top_p"])["block_sparse_density"] < 1.0
 
 
+def test_the_last_query_estimate_and_the_union_by_knob(knob_run):
+    for name in ("last_queries", "both"):
+        out = knob_run[name]
+        assert 0.0 < _entry(out)["block_sparse_density"] < 1.0, (name, _entry(out))
+        assert len(out["output_ids"]) == GREEDY["max_new_tokens"] and out["text"].strip()
+    # the union keeps at least the pooled pick's blocks at the first layer; over the layers
+    # the inputs differ, so only a loose comparison holds
+    assert _entry(knob_run["both"])["block_sparse_density"] >= 0.9 * _entry(
+        knob_run["top_p"])["block_sparse_density"]
+
+
 def test_drops_and_block_sparse_attention_report_both(knob_run):
     entry = _entry(knob_run["dropped"])
     kept = entry["kept_tokens"]
@@ -144,15 +168,18 @@ def test_a_follow_up_over_the_radix_cache_equals_it_uncached(knob_run):
 
 def test_a_bad_knob_is_refused_naming_it(knob_run):
     assert knob_run["bad_knob"] is not None and DENSITY in knob_run["bad_knob"], knob_run["bad_knob"]
+    assert knob_run["bad_estimate"] is not None and ESTIMATE in knob_run["bad_estimate"], (
+        knob_run["bad_estimate"])
 
 
 def test_chunked_prefill_by_flag(chunked_run):
-    out = chunked_run["out"]
-    assert out["meta_info"]["prompt_tokens"] > 1000
-    assert len(out["output_ids"]) == GREEDY["max_new_tokens"] and out["text"].strip()
-    # the chunks' queries read their prefix's blocks: the density over every chunk is the
-    # whole prompt's, give or take the partial query blocks at chunk starts
-    assert 0.3 <= _entry(out)["block_sparse_density"] <= 0.45, _entry(out)
+    # the flag's last-query estimate (each chunk's last queries), and the pooled one by knob
+    for out in (chunked_run["out"], chunked_run["pooled"]):
+        assert out["meta_info"]["prompt_tokens"] > 1000
+        assert len(out["output_ids"]) == GREEDY["max_new_tokens"] and out["text"].strip()
+        # the chunks' queries read their prefix's blocks: the density over every chunk is the
+        # whole prompt's, give or take the partial query blocks at chunk starts
+        assert 0.3 <= _entry(out)["block_sparse_density"] <= 0.45, _entry(out)
 
 
 def test_no_kv_slot_leaks(knob_run, chunked_run):

@@ -79,6 +79,8 @@ def test_the_checkpoint_is_kept_on_request_or_for_reselect():
         (dict(block_sparse_block_size=8), "--uniprefill-block-sparse-block-size"),
         (dict(block_sparse_block_size=48), "--uniprefill-block-sparse-block-size"),
         (dict(block_sparse_min_tokens=-1), "--uniprefill-block-sparse-min-tokens"),
+        (dict(block_sparse_top_p=0.9, block_sparse_estimate="mean"),
+         "--uniprefill-block-sparse-estimate must be one of pooled, last_queries, both"),
     ],
 )
 def test_invalid_knobs_name_the_flag(override, flag):
@@ -238,12 +240,15 @@ def test_cli_accepts_the_flags(smollm2_path):
     assert cfg.keep_ratio == (0.5,) and cfg.max_dropped_mass == 0.05
     assert cfg.kv_layout == "staged" and cfg.stage_kv_fraction is None
     assert not cfg.block_sparse and cfg.block_sparse_block_size == 64
+    assert cfg.block_sparse_estimate == "pooled"
     cfg = _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
                     "--uniprefill-block-sparse-density", "0.3",
                     "--uniprefill-block-sparse-block-size", "32",
-                    "--uniprefill-block-sparse-min-tokens", "256"]).uniprefill_config()
+                    "--uniprefill-block-sparse-min-tokens", "256",
+                    "--uniprefill-block-sparse-estimate", "both"]).uniprefill_config()
     assert cfg.block_sparse and (cfg.block_sparse_density, cfg.block_sparse_top_p) == (0.3, None)
     assert (cfg.block_sparse_block_size, cfg.block_sparse_min_tokens) == (32, 256)
+    assert cfg.block_sparse_estimate == "both"
     cfg = _prepare(["--model-path", smollm2_path, "--device", "cpu", "--enable-uniprefill",
                     "--uniprefill-kv-layout", "shared", "--uniprefill-stage-kv-fraction",
                     "0.6,0.3"]).uniprefill_config()

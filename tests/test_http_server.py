@@ -223,6 +223,7 @@ BAD_KNOBS = [
     ("uniprefill_topp", 0.9),
     ("uniprefill_block_sparse_density", 0),
     ("uniprefill_block_sparse_top_p", 1.5),
+    ("uniprefill_block_sparse_estimate", "mean"),
 ]
 PATHS = ["/generate", "/v1/completions", "/v1/chat/completions"]
 

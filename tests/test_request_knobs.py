@@ -73,6 +73,14 @@ BAD = [
     ({"uniprefill_block_sparse_top_p": math.nan}, "uniprefill_block_sparse_top_p", "got nan"),
     ({"uniprefill_block_sparse_top_p": 0.9, "uniprefill_block_sparse_density": 0.3},
      "uniprefill_block_sparse_top_p", "mutually exclusive"),
+    ({"uniprefill_block_sparse_top_p": 0.9, "uniprefill_block_sparse_estimate": "mean"},
+     "uniprefill_block_sparse_estimate", "must be one of pooled, last_queries, both, got 'mean'"),
+    ({"uniprefill_block_sparse_top_p": 0.9, "uniprefill_block_sparse_estimate": None},
+     "uniprefill_block_sparse_estimate", "null"),
+    ({"uniprefill_block_sparse_top_p": 0.9, "uniprefill_block_sparse_estimate": 1},
+     "uniprefill_block_sparse_estimate", "got 1"),
+    ({"uniprefill_block_sparse_estimate": "last_queries"}, "uniprefill_block_sparse_estimate",
+     "needs a block-sparse rule"),
 ]
 
 
@@ -135,14 +143,31 @@ def test_good_knobs():
     # Block-sparse attention: the server's rule unless the request sets one of its own.
     assert parse({}, TOP_P_SERVER).block_sparse is None
     assert parse({"uniprefill_block_sparse_density": 0.3}, TOP_P_SERVER).block_sparse == (
-        "density", 0.3)
+        "density", 0.3, "pooled", 128)
     sparse_server = build_config(**{**FLAGS, "block_sparse_density": 0.5})
-    assert parse({}, sparse_server).block_sparse == ("density", 0.5)
+    assert parse({}, sparse_server).block_sparse == ("density", 0.5, "pooled", 128)
     assert parse({"uniprefill_block_sparse_top_p": 1}, sparse_server).block_sparse == (
-        "top_p", 1.0)
+        "top_p", 1.0, "pooled", 128)
+    # The estimate: the server's unless the request names one; the last queries are the drop's
+    # --uniprefill-last-queries.
+    assert parse({"uniprefill_block_sparse_top_p": 0.9,
+                  "uniprefill_block_sparse_estimate": "last_queries"},
+                 TOP_P_SERVER).block_sparse == ("top_p", 0.9, "last_queries", 128)
+    assert parse({"uniprefill_block_sparse_estimate": "both"}, sparse_server).block_sparse == (
+        "density", 0.5, "both", 128)
+    estimating = build_config(**{**FLAGS, "block_sparse_top_p": 0.9, "last_queries": 64,
+                                 "block_sparse_estimate": "last_queries"})
+    assert parse({}, estimating).block_sparse == ("top_p", 0.9, "last_queries", 64)
+    assert parse({"uniprefill_block_sparse_density": 0.2}, estimating).block_sparse == (
+        "density", 0.2, "last_queries", 64)
+    assert parse({"uniprefill_block_sparse_estimate": "pooled"}, estimating).block_sparse == (
+        "top_p", 0.9, "pooled", 64)
+    assert parse({"uniprefill": False, "uniprefill_block_sparse_top_p": 0.9,
+                  "uniprefill_block_sparse_estimate": "both"}, TOP_P_SERVER).enabled is False
     assert KNOBS == ("uniprefill", "uniprefill_top_p", "uniprefill_keep_ratio",
                      "uniprefill_prefix_policy", "uniprefill_max_dropped_mass",
-                     "uniprefill_block_sparse_density", "uniprefill_block_sparse_top_p")
+                     "uniprefill_block_sparse_density", "uniprefill_block_sparse_top_p",
+                     "uniprefill_block_sparse_estimate")
 
 
 # One-per-drop forms: the start-up flags and the per-request knobs share one parser, so a value

@@ -48,6 +48,10 @@ DEFAULT_KV_LAYOUT = None
 # requests with fewer keys in a step (prefix and new tokens) attend densely.
 DEFAULT_BLOCK_SPARSE_BLOCK_SIZE = 64
 DEFAULT_BLOCK_SPARSE_MIN_TOKENS = 1024
+# Which estimate scores the key blocks (kernels.block_mask_reference): mean-pooled blocks, the
+# exact attention of the chunk's last --uniprefill-last-queries queries, or the union of both.
+BLOCK_SPARSE_ESTIMATES = ("pooled", "last_queries", "both")
+DEFAULT_BLOCK_SPARSE_ESTIMATE = "pooled"
 # The prefill attention backends with a block-sparse path (FlashInfer has none yet).
 BLOCK_SPARSE_ATTENTION_BACKENDS = ("torch_native", "triton", "fa3")
 
@@ -231,6 +235,7 @@ class UniPrefillConfig:
     block_sparse_top_p: Optional[float] = None
     block_sparse_block_size: int = DEFAULT_BLOCK_SPARSE_BLOCK_SIZE
     block_sparse_min_tokens: int = DEFAULT_BLOCK_SPARSE_MIN_TOKENS
+    block_sparse_estimate: str = DEFAULT_BLOCK_SPARSE_ESTIMATE
 
     @property
     def block_sparse(self) -> bool:
@@ -288,6 +293,7 @@ def build_config(
     block_sparse_top_p: Optional[float] = None,
     block_sparse_block_size: Optional[int] = None,
     block_sparse_min_tokens: Optional[int] = None,
+    block_sparse_estimate: Optional[str] = None,
 ) -> UniPrefillConfig:
     """Validate the raw flag values and build the config. Raises UniPrefillConfigError.
 
@@ -324,7 +330,8 @@ def build_config(
             "--uniprefill-max-dropped-mass must be in [0, 1] (the share of a request's attention "
             f"mass its first drop may let go), got {max_dropped_mass}")
     sparse = _parse_block_sparse(block_sparse_density, block_sparse_top_p,
-                                 block_sparse_block_size, block_sparse_min_tokens)
+                                 block_sparse_block_size, block_sparse_min_tokens,
+                                 block_sparse_estimate)
     return UniPrefillConfig(
         top_p=top_ps or (DEFAULT_TOP_P,),
         keep_ratio=keep_ratios,
@@ -346,7 +353,7 @@ def build_config(
     )
 
 
-def _parse_block_sparse(density, top_p, block_size, min_tokens) -> dict:
+def _parse_block_sparse(density, top_p, block_size, min_tokens, estimate=None) -> dict:
     """The block-sparse attention fields of the config, checked."""
     if density is not None and top_p is not None:
         raise UniPrefillConfigError(
@@ -364,9 +371,12 @@ def _parse_block_sparse(density, top_p, block_size, min_tokens) -> dict:
             f"kernel's smallest query tile), got {block_size}")
     min_tokens = _or_default(min_tokens, DEFAULT_BLOCK_SPARSE_MIN_TOKENS)
     _check_minimum("--uniprefill-block-sparse-min-tokens", min_tokens, 0)
+    estimate = _or_default(estimate, DEFAULT_BLOCK_SPARSE_ESTIMATE)
+    _check_choice("--uniprefill-block-sparse-estimate", estimate, BLOCK_SPARSE_ESTIMATES)
     return dict(block_sparse_density=None if density is None else float(density),
                 block_sparse_top_p=None if top_p is None else float(top_p),
-                block_sparse_block_size=int(block_size), block_sparse_min_tokens=int(min_tokens))
+                block_sparse_block_size=int(block_size), block_sparse_min_tokens=int(min_tokens),
+                block_sparse_estimate=estimate)
 
 
 def _fill_from_profile(profile: Profile, knobs: dict, keep_ratio) -> bool:

@@ -21,6 +21,10 @@ body's ``custom_params`` (OpenAI API; the Python client: ``extra_body={"custom_p
   prefill attention for this request, replacing the server's rule (the two together are
   refused); where the prefill backend has no block-sparse path the request attends densely and
   ``meta_info`` says why.
+* ``uniprefill_block_sparse_estimate``: one of ``pooled``, ``last_queries``, ``both`` (as
+  ``--uniprefill-block-sparse-estimate``): what scores the key blocks of the block-sparse rule
+  in effect (the request's or the server's); refused where no rule is in effect, since it
+  would change nothing.
 
 Rules, all enforced with a ``ValueError`` that names the knob:
 
@@ -42,8 +46,9 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from uniprefill_sglang.config import (DEFAULT_PREFIX_POLICY, PREFIX_POLICIES, UniPrefillConfig,
-                                      fractions_per_drop, is_number)
+from uniprefill_sglang.config import (BLOCK_SPARSE_ESTIMATES, DEFAULT_PREFIX_POLICY,
+                                      PREFIX_POLICIES, UniPrefillConfig, fractions_per_drop,
+                                      is_number)
 
 ENABLE = "uniprefill"
 TOP_P = "uniprefill_top_p"
@@ -52,8 +57,9 @@ PREFIX_POLICY = "uniprefill_prefix_policy"
 MAX_DROPPED_MASS = "uniprefill_max_dropped_mass"
 BLOCK_SPARSE_DENSITY = "uniprefill_block_sparse_density"
 BLOCK_SPARSE_TOP_P = "uniprefill_block_sparse_top_p"
+BLOCK_SPARSE_ESTIMATE = "uniprefill_block_sparse_estimate"
 KNOBS = (ENABLE, TOP_P, KEEP_RATIO, PREFIX_POLICY, MAX_DROPPED_MASS, BLOCK_SPARSE_DENSITY,
-         BLOCK_SPARSE_TOP_P)
+         BLOCK_SPARSE_TOP_P, BLOCK_SPARSE_ESTIMATE)
 
 
 class RequestKnobError(ValueError):
@@ -67,7 +73,8 @@ class RequestKnobs:
     keep_ratio: tuple  # one fraction per drop (the last repeats); empty: select by top-p
     prefix_policy: str = DEFAULT_PREFIX_POLICY
     max_dropped_mass: Optional[float] = None  # None: no bound
-    # Block-sparse attention: ("density" or "top_p", value), or None (dense attention).
+    # Block-sparse attention: ("density" or "top_p", value, estimate, last queries), or None
+    # (dense attention).
     block_sparse: Optional[tuple] = None
 
 
@@ -95,24 +102,45 @@ def _fraction(key: str, value: Any) -> float:
 
 
 def _block_sparse_rule(custom_params: dict, config: UniPrefillConfig) -> Optional[tuple]:
-    """("density" or "top_p", value) from the knobs, else the server's flags; None: off."""
+    """("density" or "top_p", value, estimate, last queries) from the knobs, else the server's
+    flags; None: off."""
     if BLOCK_SPARSE_DENSITY in custom_params and BLOCK_SPARSE_TOP_P in custom_params:
         raise RequestKnobError(
             f"{_name(BLOCK_SPARSE_DENSITY)} and {_name(BLOCK_SPARSE_TOP_P)} are mutually "
             "exclusive: set at most one")
+    estimate = config.block_sparse_estimate
+    if BLOCK_SPARSE_ESTIMATE in custom_params:
+        estimate = custom_params[BLOCK_SPARSE_ESTIMATE]
+        if not isinstance(estimate, str) or estimate not in BLOCK_SPARSE_ESTIMATES:
+            raise RequestKnobError(
+                f"{_name(BLOCK_SPARSE_ESTIMATE)} must be one of "
+                f"{', '.join(BLOCK_SPARSE_ESTIMATES)}, got {_show(estimate)}")
     if BLOCK_SPARSE_DENSITY in custom_params:
-        return "density", _fraction(BLOCK_SPARSE_DENSITY, custom_params[BLOCK_SPARSE_DENSITY])
-    if BLOCK_SPARSE_TOP_P in custom_params:
-        return "top_p", _fraction(BLOCK_SPARSE_TOP_P, custom_params[BLOCK_SPARSE_TOP_P])
-    return server_block_sparse_rule(config)
+        rule = "density", _fraction(BLOCK_SPARSE_DENSITY, custom_params[BLOCK_SPARSE_DENSITY])
+    elif BLOCK_SPARSE_TOP_P in custom_params:
+        rule = "top_p", _fraction(BLOCK_SPARSE_TOP_P, custom_params[BLOCK_SPARSE_TOP_P])
+    else:
+        rule = server_block_sparse_rule(config)
+        if rule is None and BLOCK_SPARSE_ESTIMATE in custom_params:
+            raise RequestKnobError(
+                f"{_name(BLOCK_SPARSE_ESTIMATE)} needs a block-sparse rule: set "
+                f"{_name(BLOCK_SPARSE_TOP_P)} or {_name(BLOCK_SPARSE_DENSITY)} too (this server "
+                "attends densely by default)")
+        if rule is None:
+            return None
+        rule = rule[:2]
+    return rule + (estimate, config.last_queries)
 
 
 def server_block_sparse_rule(config: UniPrefillConfig) -> Optional[tuple]:
+    """The flags' rule: ("density" or "top_p", value, estimate, last queries), or None."""
     if config.block_sparse_density is not None:
-        return "density", config.block_sparse_density
-    if config.block_sparse_top_p is not None:
-        return "top_p", config.block_sparse_top_p
-    return None
+        rule = "density", config.block_sparse_density
+    elif config.block_sparse_top_p is not None:
+        rule = "top_p", config.block_sparse_top_p
+    else:
+        return None
+    return rule + (config.block_sparse_estimate, config.last_queries)
 
 
 def _show(value: Any) -> str:

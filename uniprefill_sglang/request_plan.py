@@ -65,8 +65,8 @@ class RequestDecision:
     # False for a chunk before the prompt's last (parked or not): what concerns the whole
     # prompt (e.g. why its chunks were not parked) is reported on the final chunk.
     final_chunk: bool = True
-    # Block-sparse prefill attention: ("density" or "top_p", value), or None (dense attention;
-    # backends/block_sparse.py), whether or not the request drops.
+    # Block-sparse prefill attention: ("density" or "top_p", value, estimate, last queries), or
+    # None (dense attention; backends/block_sparse.py), whether or not the request drops.
     block_sparse: Optional[tuple] = None
 
     def ratio_at(self, drop_index: int) -> float:

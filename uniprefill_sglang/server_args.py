@@ -22,8 +22,10 @@ from uniprefill_sglang import environ, versions
 from uniprefill_sglang.architectures import lookup as architecture_entry
 from uniprefill_sglang.config import (
     BLOCK_SPARSE_ATTENTION_BACKENDS,
+    BLOCK_SPARSE_ESTIMATES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BLOCK_SPARSE_BLOCK_SIZE,
+    DEFAULT_BLOCK_SPARSE_ESTIMATE,
     DEFAULT_BLOCK_SPARSE_MIN_TOKENS,
     DEFAULT_KV_LAYOUT,
     DEFAULT_LAST_QUERIES,
@@ -198,6 +200,16 @@ class UniPrefillServerArgs(ServerArgs):
                  "step (its prefix and new tokens) attends densely (default "
                  f"{DEFAULT_BLOCK_SPARSE_MIN_TOKENS})."),
     ] = None
+    uniprefill_block_sparse_estimate: A[
+        str,
+        Arg(help="UniPrefill block-sparse attention: what scores the key blocks. 'pooled' "
+                 "(default): mean-pooled query and key blocks; 'last_queries': the exact "
+                 "attention of the chunk's last --uniprefill-last-queries queries, the same "
+                 "blocks kept for every query block (a needle the question reads is not "
+                 "diluted by its block's other keys); 'both': the union of the blocks each "
+                 "picks. Per request: custom_params uniprefill_block_sparse_estimate.",
+            choices=list(BLOCK_SPARSE_ESTIMATES)),
+    ] = DEFAULT_BLOCK_SPARSE_ESTIMATE
 
     def __post_init__(self):
         if versions.resolves_when_built(ServerArgs):
@@ -300,6 +312,7 @@ class UniPrefillServerArgs(ServerArgs):
             block_sparse_top_p=self.uniprefill_block_sparse_top_p,
             block_sparse_block_size=self.uniprefill_block_sparse_block_size,
             block_sparse_min_tokens=self.uniprefill_block_sparse_min_tokens,
+            block_sparse_estimate=self.uniprefill_block_sparse_estimate,
         )
 
     @staticmethod

@@ -1,10 +1,12 @@
 """Block-sparse prefill attention in the serving path (off unless a flag or a knob sets it).
 
 A request's prefill chunk attends, layer by layer, only to the key blocks an estimate picks
-(`kernels.block_mask_reference`: mean-pooled query and key blocks, then a fixed density or the
-blocks holding a top-p of the estimated mass, the sink block and each query block's own
-diagonal block always kept) and runs `kernels.block_sparse_attention` over them: the Triton
-kernel on a GPU (the triton and fa3 prefill backends), its torch path on the CPU.
+(`kernels.block_mask_reference`: mean-pooled query and key blocks, or the exact attention of the
+chunk's last `--uniprefill-last-queries` queries, or the union of both picks, per
+`--uniprefill-block-sparse-estimate`; then a fixed density or the blocks holding a top-p of the
+estimated mass, the sink block and each query block's own diagonal block always kept) and runs
+`kernels.block_sparse_attention` over them: the Triton kernel on a GPU (the triton and fa3
+prefill backends), its torch path on the CPU.
 
 Which keys a chunk's queries read is what the adapter's dense attention would read: at a layer
 before the first drop every token of the request's sequence (its cached or earlier chunks'
@@ -50,7 +52,7 @@ META_KEY = "block_sparse_density"
 class BlockSparseStep:
     """One extend forward's block-sparse plan (per request: the rule it runs, or None) and
     its tally."""
-    rules: List[Optional[Tuple[str, float]]]
+    rules: List[Optional[Tuple[str, float, str, int]]]  # request_knobs.RequestKnobs.block_sparse
     asked: List[bool]  # did the request ask for block-sparse attention (it is reported)
     block_size: int
     kept: List = dataclasses.field(default_factory=list)  # device scalars (or 0)
@@ -130,18 +132,22 @@ def causal_pairs(n_q: int, n_k: int, block_size: int) -> int:
     return rows * a0 + rows * (rows + 1) // 2
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: Optional[Tuple[str, float]],
-           block_size: int, sm_scale: float, path: Optional[str] = None):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           rule: Optional[Tuple[str, float, str, int]], block_size: int, sm_scale: float,
+           path: Optional[str] = None):
     """One request's queries (the last of its keys) over the key blocks `rule` keeps (None:
-    every causal block). Returns (out [n_q, Hq, Dv] in q's dtype, kept pairs as a device
-    scalar, causal pairs as a host int, both over the mask's heads)."""
+    every causal block; else ("density" or "top_p", value, estimate, last queries)). Returns
+    (out [n_q, Hq, Dv] in q's dtype, kept pairs as a device scalar, causal pairs as a host int,
+    both over the mask's heads)."""
     n_q, n_k = q.shape[0], k.shape[0]
     if rule is None:
         mask = causal_block_pairs(n_q, n_k, block_size)[None]
     else:
-        mask = kernels.block_mask_reference(q, k, block_size, **{rule[0]: rule[1]},
+        kind, value, estimate, last_queries = rule
+        mask = kernels.block_mask_reference(q, k, block_size, **{kind: value},
                                             sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS,
-                                            sm_scale=sm_scale)
+                                            sm_scale=sm_scale, estimate=estimate,
+                                            last_queries=last_queries)
     mask = mask.to(q.device)
     out = kernels.block_sparse_attention(q, k, v, mask, block_size, sm_scale, path=path)
     return out, mask.sum(), causal_pairs(n_q, n_k, block_size) * mask.shape[0]
