@@ -71,7 +71,8 @@ def test_every_causal_block_is_dense(shape, block_size):
     assert_close(got, dense_causal(q, k, v, d ** -0.5), 2e-2)
 
 
-@pytest.mark.parametrize("select", [dict(density=0.1), dict(density=0.3), dict(top_p=0.7)])
+@pytest.mark.parametrize("select", [dict(density=0.1), dict(density=0.3), dict(top_p=0.7),
+                                    dict(top_p=0.9, estimate="both")])
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_estimated_masks_match_reference(shape, block_size, select):
