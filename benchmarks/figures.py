@@ -203,6 +203,28 @@ TEST_SEED_HEADLINES = (
     ("gemma3-270m", "fidelity/eval_gemma3_270m_shipped_test_7600.json", "14/15 dense-right cases (93%) at 1.54x"),
 )
 
+def block_sparse_agreement(configs: tuple, suffix: str) -> Callable[[dict], str]:
+    """Agreement on dense-right cases, the same in every named configuration of a fidelity file
+    (an evaluation suite's `--sweep custom`), as "a/n" + suffix."""
+    def derive(result: dict) -> str:
+        cells = {(c["agree"], c["dense_correct"])
+                 for name in configs for c in result["summary"][name]["all"].values()
+                 if "agree" in c}
+        (agree, right), = cells
+        return f"{agree}/{right}{suffix}"
+    return derive
+
+
+def flop_ideal_combination(tokens: int, density: float) -> Callable[[dict], str]:
+    """`flop_ideal_block_sparse.py`'s FLOP-ideal of dropping with block-sparse attention."""
+    def derive(result: dict) -> str:
+        row, = [r for r in result["rows"] if r["tokens"] == tokens and r["density"] == density]
+        return f"{row['both']:.1f}x at 131K"
+    return derive
+
+
+BOTH_09 = "block_sparse_estimate=both,block_sparse_top_p=0.9"
+
 FIGURES: list = [
     *(Figure(SUMMARY, text, result, defaults_row(config, label))
       for result, config, label, text in DEFAULTS_TABLE),
@@ -219,4 +241,14 @@ FIGURES: list = [
     Figure(SUMMARY, "43/45 dense-right cases (96%) at 1.59x",
            "fidelity/eval_gemma3_270m_top_p_095_099_reporting.json",
            validation_text("gemma3-270m")),
+    # Block-sparse attention (estimate both, top-p 0.9) on the test seed, and its FLOP-ideal.
+    Figure(FRONT_PAGE, "10/10 alone and over the drops",
+           "fidelity/eval_smollm2_block_sparse_last_queries_test_7600.json",
+           block_sparse_agreement((BOTH_09 + ",keep_ratio=1.0", BOTH_09),
+                                  " alone and over the drops")),
+    Figure(FRONT_PAGE, "15/15 alone",
+           "fidelity/eval_gemma3_270m_block_sparse_last_queries_test_7600.json",
+           block_sparse_agreement((BOTH_09 + ",keep_ratio=1.0",), " alone")),
+    Figure(FRONT_PAGE, "6.4x at 131K", "block_sparse/flop_ideal_llama31_8b.json",
+           flop_ideal_combination(131000, 0.1)),
 ]
