@@ -356,6 +356,14 @@ def block_density(mask: torch.Tensor, n_q: int, n_k: int, block_size: int,
     return float((mask.cpu() & causal).sum()) / total
 
 
+def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[int, int, int, int]:
+    """``check_qk_shapes``, and v ``[n_k, Hkv, Dv]`` like k."""
+    shapes = check_qk_shapes(q, k)
+    if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"v must be [n_k, Hkv, Dv] like k, got {tuple(v.shape)} and {tuple(k.shape)}")
+    return shapes
+
+
 def check_block_mask(mask: torch.Tensor, grid: Tuple[int, int], hkv: Optional[int] = None) -> None:
     if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[1:]) != tuple(grid):
         raise ValueError(f"mask must be bool [H, {grid[0]}, {grid[1]}], got {mask.dtype} {tuple(mask.shape)}")
@@ -397,9 +405,7 @@ def block_sparse_attention_reference(
     (float64 for an oracle; float32 is the CPU production path's); a row that reads no key is
     zero.  ``row_chunk`` query rows are done at a time (memory ``Hq * row_chunk * n_k`` floats).
     """
-    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
-    if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
-        raise ValueError(f"v must be [n_k, Hkv, Dv] like k, got {tuple(v.shape)} and {tuple(k.shape)}")
+    n_q, n_k, hq, hkv = check_qkv_shapes(q, k, v)
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
     q_offset = resolve_q_offset(n_q, n_k, q_offset)
     check_block_mask(mask, (nr, nc), hkv)
@@ -452,9 +458,7 @@ def block_sparse_attention_gathered(
     15 s against 2.6 s here for one 7.6K-token layer of SmolLM2's shape on one core).
     Returns ``[n_q, Hq, Dv]`` in ``compute_dtype``.
     """
-    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
-    if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
-        raise ValueError(f"v must be [n_k, Hkv, Dv] like k, got {tuple(v.shape)} and {tuple(k.shape)}")
+    n_q, n_k, hq, hkv = check_qkv_shapes(q, k, v)
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
     q_offset = resolve_q_offset(n_q, n_k, q_offset)
     check_block_mask(mask, (nr, nc), hkv)

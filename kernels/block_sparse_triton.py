@@ -33,6 +33,7 @@ from .block_sparse_reference import (
     block_lists_from_mask,
     check_block_mask,
     check_qk_shapes,
+    check_qkv_shapes,
     resolve_q_offset,
 )
 
@@ -145,9 +146,7 @@ def block_sparse_attention_from_lists(
     num_stages are GPU tuning knobs.
     Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
     """
-    n_q, n_k, hq, hkv = check_qk_shapes(q, k)
-    if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
-        raise ValueError(f"v must be [n_k, Hkv, Dv] like k, got {tuple(v.shape)} and {tuple(k.shape)}")
+    n_q, n_k, hq, hkv = check_qkv_shapes(q, k, v)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q, k, v must share one of fp32/fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if block_size < 16 or block_size & (block_size - 1):

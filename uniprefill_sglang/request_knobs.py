@@ -120,7 +120,7 @@ def _block_sparse_rule(custom_params: dict, config: UniPrefillConfig) -> Optiona
     elif BLOCK_SPARSE_TOP_P in custom_params:
         rule = "top_p", _fraction(BLOCK_SPARSE_TOP_P, custom_params[BLOCK_SPARSE_TOP_P])
     else:
-        rule = server_block_sparse_rule(config)
+        rule = _server_selection(config)
         if rule is None and BLOCK_SPARSE_ESTIMATE in custom_params:
             raise RequestKnobError(
                 f"{_name(BLOCK_SPARSE_ESTIMATE)} needs a block-sparse rule: set "
@@ -128,19 +128,22 @@ def _block_sparse_rule(custom_params: dict, config: UniPrefillConfig) -> Optiona
                 "attends densely by default)")
         if rule is None:
             return None
-        rule = rule[:2]
     return rule + (estimate, config.last_queries)
+
+
+def _server_selection(config: UniPrefillConfig) -> Optional[tuple]:
+    """The flags' ("density" or "top_p", value), or None."""
+    if config.block_sparse_density is not None:
+        return "density", config.block_sparse_density
+    if config.block_sparse_top_p is not None:
+        return "top_p", config.block_sparse_top_p
+    return None
 
 
 def server_block_sparse_rule(config: UniPrefillConfig) -> Optional[tuple]:
     """The flags' rule: ("density" or "top_p", value, estimate, last queries), or None."""
-    if config.block_sparse_density is not None:
-        rule = "density", config.block_sparse_density
-    elif config.block_sparse_top_p is not None:
-        rule = "top_p", config.block_sparse_top_p
-    else:
-        return None
-    return rule + (config.block_sparse_estimate, config.last_queries)
+    rule = _server_selection(config)
+    return None if rule is None else rule + (config.block_sparse_estimate, config.last_queries)
 
 
 def _show(value: Any) -> str:
