@@ -191,20 +191,23 @@ def last_query_block_mass(
     sm_scale: Optional[float] = None,
     q_offset: Optional[int] = None,
     per_kv_head: bool = True,
+    dtype: torch.dtype = F64,
 ) -> torch.Tensor:
     """The "last_queries" estimate: key blocks scored by the exact attention of the chunk's
     last queries (MInference's and FlexPrefill's vertical pattern: what the prompt's end, the
     question, reads is kept for every query block).
 
     The last ``min(last_queries, n_q)`` query rows' causal softmax attention over every key,
-    in float64, summed per key block and averaged over those queries and the query heads of a
+    in ``dtype`` (float64 for an oracle; float32 on a GPU, where float64 matmuls run at a small
+    fraction of the rate), summed per key block and averaged over those queries and the query heads of a
     KV group (of every head with ``per_kv_head=False``); each query block's row is that
     distribution restricted to its causal blocks (``0..a0 + r``) and renormalised to 1 (a row
     whose causal blocks got no mass is uniform over them).  Returns float64 ``[Hkv or 1, R,
     C]``, the layout of ``block_mass_estimate``.  Unlike the pooled estimate, a single key
     holding the last queries' attention keeps its block however diluted among the block's
     other keys; rows far from the end lose what only they attend to (their own local context
-    is kept as the local blocks).  Work: ``Hq * last_queries * n_k`` logits, one head at a time.
+    is kept as the local blocks).  Work: ``Hq * last_queries * n_k`` logits, one KV group at a
+    time (its query heads' rows in one matmul).
     """
     n_q, n_k, hq, hkv = check_qk_shapes(q, k)
     last_queries = _check_int("last_queries", last_queries, 1)
@@ -221,12 +224,13 @@ def last_query_block_mass(
     future = key_pos[None, :] > qpos[:, None]  # [m, n_k]
     key_block = key_pos // block_size
     group = hq // hkv
-    col_mass = torch.zeros(hq, nc, dtype=F64, device=q.device)
-    for h in range(hq):
-        logits = torch.matmul(q[n_q - m:, h].to(F64), k[:, h // group].to(F64).T) * float(sm_scale)
-        probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)  # [m, n_k]
-        col_mass[h].index_add_(0, key_block, probs.sum(0))
-    col_mass /= m
+    col_mass = torch.zeros(hkv, group, nc, dtype=F64, device=q.device)
+    for g in range(hkv):
+        q_group = q[n_q - m:, g * group:(g + 1) * group].transpose(0, 1).to(dtype)  # [group, m, D]
+        logits = torch.matmul(q_group, k[:, g].to(dtype).T) * float(sm_scale)  # [group, m, n_k]
+        probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+        col_mass[g].index_add_(1, key_block, probs.sum(1).to(F64))
+    col_mass = col_mass.reshape(hq, nc) / m
     col_mass = col_mass.reshape(hkv, group, nc).mean(1) if per_kv_head else col_mass.mean(0, keepdim=True)
     causal = causal_block_pairs(n_q, n_k, block_size, q_offset).to(q.device)  # [R, C]
     rows = col_mass[:, None, :] * causal  # [H, R, C]
@@ -312,6 +316,7 @@ def block_mask_reference(
     per_kv_head: bool = True,
     estimate: str = "pooled",
     last_queries: int = DEFAULT_ESTIMATE_LAST_QUERIES,
+    estimate_dtype: torch.dtype = F64,
 ) -> torch.Tensor:
     """Which key blocks each query block reads: bool ``[Hkv or 1, R, C]`` (module docstring).
 
@@ -320,7 +325,7 @@ def block_mask_reference(
 
     * ``"pooled"``: ``block_mass_estimate`` (mean-pooled blocks);
     * ``"last_queries"``: ``last_query_block_mass`` over the chunk's last ``last_queries``
-      queries;
+      queries, its logits in ``estimate_dtype``;
     * ``"both"``: the union of the blocks each of the two selects under the same rule.  The
       union, not a mean of the two masses: every row then keeps ``top_p`` of each estimate's
       mass, so it is never less faithful than either alone (a block only the last queries
@@ -338,7 +343,8 @@ def block_mask_reference(
         mass = block_mass_estimate(q, k, block_size, sm_scale, q_offset, per_kv_head)
         mask = select_blocks(mass, forced, causal, top_p=top_p, density=density)
     if estimate in ("last_queries", "both"):
-        mass = last_query_block_mass(q, k, block_size, last_queries, sm_scale, q_offset, per_kv_head)
+        mass = last_query_block_mass(q, k, block_size, last_queries, sm_scale, q_offset, per_kv_head,
+                                     estimate_dtype)
         picked = select_blocks(mass, forced, causal, top_p=top_p, density=density)
         mask = picked if mask is None else mask | picked
     return mask

@@ -496,6 +496,18 @@ def test_last_query_mass_is_the_loop_and_rows_are_causal_distributions(seed, sha
     assert torch.allclose(shared, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_last_query_mass_in_float32_is_close_to_float64(seed, shape):
+    """The accelerator's dtype: the same estimate within float32's rounding."""
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, d=16, q_scale=3.0)
+    want = last_query_block_mass(q, k, 16, 8, sm_scale=0.4, q_offset=off)
+    got = last_query_block_mass(q, k, 16, 8, sm_scale=0.4, q_offset=off, dtype=torch.float32)
+    assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), float((got - want).abs().max())
+
+
 def test_last_query_mass_with_no_queries_and_a_row_without_mass():
     q, k, _ = make_qkv(3, 0, 40, 2, 1)
     assert last_query_block_mass(q, k, 16, 8).shape == (1, 0, 3)

@@ -132,6 +132,13 @@ def causal_pairs(n_q: int, n_k: int, block_size: int) -> int:
     return rows * a0 + rows * (rows + 1) // 2
 
 
+def _estimate_dtype(device: torch.device) -> torch.dtype:
+    """The last-query estimate's logits: float64 on the CPU (where the fidelity runs were
+    measured), float32 on an accelerator, whose float64 matmuls would cost about a second per
+    131K prompt."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            rule: Optional[Tuple[str, float, str, int]], block_size: int, sm_scale: float,
            path: Optional[str] = None):
@@ -147,7 +154,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = kernels.block_mask_reference(q, k, block_size, **{kind: value},
                                             sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS,
                                             sm_scale=sm_scale, estimate=estimate,
-                                            last_queries=last_queries)
+                                            last_queries=last_queries,
+                                            estimate_dtype=_estimate_dtype(q.device))
     mask = mask.to(q.device)
     out = kernels.block_sparse_attention(q, k, v, mask, block_size, sm_scale, path=path)
     return out, mask.sum(), causal_pairs(n_q, n_k, block_size) * mask.shape[0]
