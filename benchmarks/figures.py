@@ -249,6 +249,9 @@ FIGURES: list = [
     Figure(FRONT_PAGE, "15/15 alone",
            "fidelity/eval_gemma3_270m_block_sparse_last_queries_test_7600.json",
            block_sparse_agreement((BOTH_09 + ",keep_ratio=1.0",), " alone")),
+    Figure(FRONT_PAGE, "over the drops 14/15",
+           "fidelity/eval_gemma3_270m_block_sparse_over_drops_test_7600.json",
+           lambda result: "over the drops " + block_sparse_agreement((BOTH_09,), "")(result)),
     Figure(FRONT_PAGE, "6.4x at 131K", "block_sparse/flop_ideal_llama31_8b.json",
            flop_ideal_combination(131000, 0.1)),
 ]
