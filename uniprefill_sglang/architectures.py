@@ -44,6 +44,10 @@ class DecoderShape:
     # from the recurrent and convolution state the one before it left, as chunked prefill's
     # chunks do. None: the family has no such layer.
     linear_mixer: Optional[str] = None
+    # Multi-head latent attention (DeepSeek-V2/V3): the attention sublayer picks its form per
+    # forward (`dispatch_attn_forward_method`). True: from the first drop layer on, every extend
+    # runs the absorbed form over the latent KV (model_integration.py says why).
+    latent_attention: bool = False
 
 
 # Llama, Mistral, Qwen2, Qwen3: input_layernorm -> self_attn -> post_attention_layernorm(h, res)
@@ -65,6 +69,9 @@ LFM2 = DecoderShape(residual_norm=None, mlp="feed_forward", linear_mixer="conv")
 MIXTRAL = DecoderShape(residual_norm="post_attention_layernorm", mlp="block_sparse_moe")
 # Qwen3-Next: the Llama shape, and Gated DeltaNet layers whose mixer is `linear_attn`.
 QWEN3_NEXT = DecoderShape(residual_norm="post_attention_layernorm", linear_mixer="linear_attn")
+# DeepSeek-V2/V3: the Llama shape (its MoE block, or a first layer's dense MLP, is `mlp`) with
+# multi-head latent attention.
+DEEPSEEK_MLA = DecoderShape(residual_norm="post_attention_layernorm", latent_attention=True)
 
 
 def scaled_reference_layers(num_layers: int, full_layers: Sequence[int] = ()) -> tuple:
@@ -123,6 +130,9 @@ class Architecture:
     # Does SGLang serve it on FlashInfer? gpt-oss's learned attention sinks it serves on triton,
     # fa3, trtllm_mha and vendor backends only (it refuses to start on FlashInfer).
     flashinfer: bool = True
+    # The attention backends whose adapter serves it (None: every one UniPrefill supports);
+    # elsewhere its requests run dense, saying why (config.py).
+    attention_backends: Optional[frozenset] = None
 
 
 ARCHITECTURES: Tuple[Architecture, ...] = (
@@ -151,6 +161,16 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     Architecture(frozenset({"GptOssForCausalLM"}), LLAMA,
                  layer_kinds=frozenset({FULL_ATTENTION, SLIDING_ATTENTION}),
                  default_drop_layers=scaled_reference_full_layers, flashinfer=False),
+    # DeepSeek-V2/V3 (multi-head latent attention, MoE from `first_k_dense_replace` on): from the
+    # first drop layer on the attention runs in its absorbed form, one KV head of the latent
+    # (kv_lora_rank) and the shared RoPE key, so the drop scores the absorbed queries against
+    # the latent KV in the pool (the attention logits themselves; a final chunk scores its
+    # earlier chunks' rows there) and a later stage's view lists latent slots. Served on Triton
+    # only: SGLang's FlashInfer and FA3 MLA backends have no adapter. The paper has no MLA
+    # run: the default is the Llama rule scaled by depth (DeepSeek-V2-Lite, 27 layers:
+    # 6, 9, 13, 16, 19, 23); not measured.
+    Architecture(frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}), DEEPSEEK_MLA,
+                 attention_backends=frozenset({"triton"})),
     # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, each called as
     # layer(positions=..., hidden_states=..., residual=..., forward_batch=...), its attention
     # output added to the residual stream by post_attention_layernorm. After a drop the linear

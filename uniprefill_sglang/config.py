@@ -460,6 +460,7 @@ def unsupported_architecture_reason(
     (the Hugging Face config's ``layer_types``, where it has one) must be one its entry serves:
     Gemma 3's sliding-window layers are, a Qwen2 configured with sliding-window layers is not
     (its decoder layer keeps the window in SGLang's own way, which the views do not model).
+    An entry that names its attention backends (DeepSeek's MLA: Triton) is served on those only.
     """
     names = ", ".join(architectures) or "(none)"
     entry = arch_table.lookup(architectures)
@@ -472,6 +473,12 @@ def unsupported_architecture_reason(
     if kinds:
         return (f"unsupported architecture {names}: layers of kind {', '.join(kinds)} "
                 f"(its integration serves {', '.join(sorted(entry.layer_kinds))})")
+    unserved = sorted(set(attention_backends) - entry.attention_backends
+                      if entry.attention_backends is not None else ())
+    if unserved:
+        return (f"{names} is served by UniPrefill on the "
+                f"{' and '.join(sorted(entry.attention_backends))} attention backend only "
+                f"(not {', '.join(unserved)})")
     serving = sliding_window_attention_backends()
     windowless = sorted(set(attention_backends) - set(serving))
     if arch_table.SLIDING_ATTENTION in (layer_types or ()) and windowless:

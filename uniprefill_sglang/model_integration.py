@@ -352,6 +352,30 @@ def _wrap_attention(owner, name: str, runtime, call: LayerCall) -> None:
     setattr(owner, name, forward)
 
 
+def _run_absorbed(sublayer: nn.Module) -> None:
+    """A multi-head latent attention sublayer (DeepSeek-V2/V3) that runs every extend in its
+    absorbed form. For a prefill without a cached prefix SGLang picks the multi-head form: the
+    model writes the latent KV itself at every slot of the batch (after a drop its rows are the
+    survivors only) and attends over keys decompressed per head, which the latent pool does not
+    hold for the rows of earlier pieces or chunks. The absorbed form computes the same attention
+    over the latent KV, one KV head of kv_lora_rank + RoPE dims, written by the attention
+    backend, where the adapters write the survivors at their own slots; its logits are the
+    attention's, so the drop scores its queries against the pool's latent keys. Dense requests
+    take it too: top-p 1.0 then runs a dense request's arithmetic, token for token."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod)
+
+    original = sublayer.dispatch_attn_forward_method
+
+    @functools.wraps(original)
+    def dispatch(forward_batch):
+        method = original(forward_batch)
+        # MHA, MHA_ONE_SHOT, MHA_CHUNKED_KV (SGLang's multi-head forms on CUDA).
+        return AttnForwardMethod.MLA if method.name.startswith("MHA") else method
+
+    sublayer.dispatch_attn_forward_method = dispatch
+
+
 def install(model: nn.Module, runtime, architecture) -> bool:
     """Wrap the model's layers for `runtime`'s schedule, shaped as `architecture`
     (architectures.Architecture) says. False if the model does not have that shape."""
@@ -383,6 +407,8 @@ def install(model: nn.Module, runtime, architecture) -> bool:
         sublayer = _attention_sublayer(layer, attn) if attn is not None else None
         if sublayer is not None:
             _wrap_attention(*sublayer, runtime, call)
+        if shape.latent_attention and i >= first and hasattr(layer, "self_attn"):
+            _run_absorbed(layer.self_attn)
     for layer, attn in attending:
         if attn.layer_id in drop_layers:
             first_drop = attn.layer_id == runtime.stages.drop_layers[0]

@@ -259,8 +259,10 @@ def wire_stage_pools(stages: LayerStages, pool, allocator, device):
 
 def slot_bytes_per_layer(pool) -> list:
     """K+V bytes of one slot, per layer of the pool (of its full-attention layers, for the pool
-    of a model with linear-attention layers)."""
+    of a model with linear-attention layers; an MLA pool keeps one latent buffer a layer)."""
     pool = getattr(pool, "full_kv_pool", pool)
+    if not hasattr(pool, "k_buffer"):  # MLATokenToKVPool: its value is a view of its key
+        return [kv.shape[1:].numel() * kv.element_size() for kv in pool.kv_buffer]
     return [k.shape[1:].numel() * k.element_size() + v.shape[1:].numel() * v.element_size()
             for k, v in zip(pool.k_buffer, pool.v_buffer)]
 

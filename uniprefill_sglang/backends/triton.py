@@ -17,6 +17,9 @@ invariant):
   their original positions (a query at p sees the keys at p - window .. p), with the layer's
   attention-sink logits (gpt-oss) where it has them; a full-attention layer passes its sinks
   on to upstream's kernel with the view.
+* Multi-head latent attention (DeepSeek-V2/V3, absorbed form from the first drop layer on:
+  model_integration.py): one KV head of the latent and RoPE key, the value its first
+  kv_lora_rank columns; the views list its slots as any layer's.
 * Decode: for a batch holding a request with sparse KV (any batch under the staged KV layout,
   where later stages address their own pools), per-stage kv_indptr / kv_indices /
   num_kv_splits; `forward_decode` swaps them into the metadata for the layers of that stage.
@@ -101,10 +104,11 @@ class TritonAdapter(StageViewAdapter):
         if backend.enable_deterministic:
             return "Triton under deterministic inference"
         # `_translate_kv_loc` (a KV location map) exists on SGLang 0.5.17 only.
-        if (backend.dcp_size != 1 or backend.use_mla
-                or getattr(backend, "_translate_kv_loc", None) is not None
+        if (backend.dcp_size != 1 or getattr(backend, "_translate_kv_loc", None) is not None
                 or backend.use_sliding_window_kv_pool):
-            return "Triton with split-context, MLA, translated or sliding-window-pool KV"
+            return "Triton with split-context, translated or sliding-window-pool KV"
+        if backend.use_mla and backend.token_to_kv_pool.dtype in FP8_DTYPES:
+            return "Triton with MLA and an fp8 KV cache"  # upstream scales its keys itself
         if _model_window(backend) is not None and backend.token_to_kv_pool.dtype in FP8_DTYPES:
             return "Triton with sliding-window layers and an fp8 KV cache"
         return None
