@@ -246,3 +246,58 @@ def test_gpt_oss_prices_its_router_active_experts_and_windows():
         layer_types=["sliding_attention", "full_attention"] * 12))
     active = 24 * (big.attention_params + big.mlp_params) + 201088 * 2880
     assert abs(active / 3.61e9 - 1) < 0.01, active
+
+
+# DeepSeek-V2-Lite's config.json sizes
+DEEPSEEK_V2_LITE = dict(
+    hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=27,
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+    n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, vocab_size=102400)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_deepseek_prices_latent_attention_dense_first_layers_and_moe(q_lora_rank):
+    """DeepSeek-V2's attention (with and without a query bottleneck), its first dense MLP and
+    its MoE blocks (router, top-k routed experts, ungated shared experts), on fresh random
+    sizes, against the weights of the layers transformers builds (norms left out); attention
+    pairs cost qk_nope + qk_rope dims for the logits and v_head_dim for the values. At the
+    DeepSeek-V2-Lite shape the per-token weights, with one embedding matrix, are the 2.4B
+    activated parameters its model card states."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    rng = random.Random()
+    h, width, heads = rng.choice((32, 48, 64)), rng.randrange(8, 40), rng.choice((2, 4))
+    num_experts, top_k, shared = rng.randrange(4, 9), rng.randrange(1, 4), rng.randrange(1, 3)
+    nope, rope, v = rng.choice((8, 16)), rng.choice((8, 16)), rng.choice((8, 24))
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v2", vocab_size=64, hidden_size=h, num_hidden_layers=3,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=q_lora_rank,
+        kv_lora_rank=rng.randrange(16, 48), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=v, intermediate_size=rng.randrange(40, 80), moe_intermediate_size=width,
+        n_routed_experts=num_experts, n_shared_experts=shared, num_experts_per_tok=top_k,
+        first_k_dense_replace=1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+
+    def weights(module):
+        return sum(p.numel() for name, p in module.named_parameters()
+                   if "bias" not in name and "norm" not in name)
+
+    dense, moe = model.model.layers[0], model.model.layers[1]
+    want_moe = (weights(moe.mlp.gate) + top_k * weights(moe.mlp.experts) // num_experts
+                + weights(moe.mlp.shared_experts))
+    for shape in (FlopShape.from_config(cfg), FlopShape.from_config(cfg.to_dict())):
+        assert shape.attention_params == weights(dense.self_attn)
+        assert shape.dense_mlp_layers == 1 and shape.dense_mlp_params == weights(dense.mlp)
+        assert shape.mlp_params == want_moe
+        assert (shape.head_dim, shape.v_head_dim) == (nope + rope, v)
+    n = rng.randrange(50, 100)
+    attention_only = FlopShape(**{**shape.__dict__, "attention_params": 0, "mlp_params": 0,
+                                  "dense_mlp_params": 0})
+    assert prefill_flops([n], (), attention_only) == \
+        3 * 2 * heads * (nope + rope + v) * attended_pairs(n)
+    lite = FlopShape.from_config(DEEPSEEK_V2_LITE)
+    active = (27 * lite.attention_params + lite.dense_mlp_params + 26 * lite.mlp_params
+              + 102400 * 2048)
+    assert abs(active / 2.4e9 - 1) < 0.03, active

@@ -11,7 +11,14 @@ tokens actually kept (`kept[s]`: the rows stage s runs on; `kept[0]` the prompt)
 * the MLP on the rows leaving it (at a drop layer the survivors: the drop comes right after the
   layer's attention); an MoE block per row as its router, the top-k experts the row is routed
   to, and a shared expert with its gate where the family has one (Qwen2-MoE, Qwen3-Next).
-  SGLang builds every layer of Qwen2-MoE and Qwen3-MoE sparse (`mlp_only_layers` unread).
+  SGLang builds every layer of Qwen2-MoE and Qwen3-MoE sparse (`mlp_only_layers` unread);
+  DeepSeek's first `first_k_dense_replace` layers keep a dense MLP.
+
+Multi-head latent attention (DeepSeek-V2/V3) is counted as the model defines it: its low-rank
+query and latent KV projections, the latent's decompression to per-head keys and values, and
+attention with queries and keys of qk_nope + qk_rope dims and values of v_head_dim. (Served
+after a drop in the absorbed form, its attention reads kv_lora_rank + rope dims per pair instead,
+and the ideal leaves that out.)
 
 After a drop the survivors of a sliding-window layer are spread over the whole prompt; the
 model takes them as evenly spread, so a window of W positions holds about W * kept / prompt of
@@ -37,7 +44,7 @@ from uniprefill_sglang.architectures import (
 class FlopShape:
     """What the FLOP count needs of a model, per token and per layer kind."""
     num_heads: int
-    head_dim: int
+    head_dim: int  # of queries and keys
     attention_params: int  # q/k/v/o projections of a (full or sliding) attention layer
     mlp_params: int  # the MLP, or the router and the experts one token runs through
     layer_kinds: Tuple[str, ...]
@@ -46,6 +53,9 @@ class FlopShape:
     linear_state_flops: int = 0  # its state update and read-out, per token
     conv_params: int = 0  # projections of a gated short-convolution layer (LFM2)
     conv_mix_flops: int = 0  # its depthwise convolution and gates, per token
+    v_head_dim: int = 0  # of values, where it differs from head_dim (MLA)
+    dense_mlp_layers: int = 0  # the first layers, with a dense MLP of dense_mlp_params
+    dense_mlp_params: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -68,10 +78,19 @@ class FlopShape:
         kv_heads = get("num_key_value_heads") or heads
         d = get("head_dim") or h // heads
         q_out = heads * d * (2 if get("attn_output_gate") else 1)  # Qwen3-Next gates its output
+        attention_params = h * (q_out + 2 * kv_heads * d) + heads * d * h
+        v = 0
+        if get("kv_lora_rank"):  # multi-head latent attention
+            d = get("qk_nope_head_dim") + get("qk_rope_head_dim")
+            v = get("v_head_dim")
+            attention_params = _latent_attention_params(get, h, heads, d, v)
+        first_dense = get("first_k_dense_replace") or 0
         return cls(
-            num_heads=heads, head_dim=d,
-            attention_params=h * (q_out + 2 * kv_heads * d) + heads * d * h,
+            num_heads=heads, head_dim=d, v_head_dim=v,
+            attention_params=attention_params,
             mlp_params=_mlp_params(get, h),
+            dense_mlp_layers=first_dense,
+            dense_mlp_params=3 * h * _mlp_width(get) if first_dense else 0,
             layer_kinds=layer_kinds(config_layer_types(cfg), get("num_hidden_layers")),
             sliding_window=get("sliding_window") or 0,
             linear_params=_linear_params(get, h), linear_state_flops=_linear_state_flops(get),
@@ -79,17 +98,29 @@ class FlopShape:
             conv_mix_flops=2 * h * (get("conv_L_cache") + 1) if get("conv_L_cache") else 0)
 
 
+def _latent_attention_params(get, h: int, heads: int, qk: int, v: int) -> int:
+    """MLA's projections: queries (through a q_lora_rank bottleneck where the model has one),
+    the latent and the shared RoPE key, the latent's decompression to per-head nope keys and
+    values, and the output."""
+    q_rank, kv_rank, rope = get("q_lora_rank"), get("kv_lora_rank"), get("qk_rope_head_dim")
+    q = q_rank * (h + heads * qk) if q_rank else h * heads * qk
+    nope = qk - rope
+    return q + h * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * h
+
+
 def _mlp_params(get, h: int) -> int:
     """Parameters one token's MLP runs through (each a gate, up and down projection): the dense
     MLP's, or an MoE block's router, its top-k routed experts (each `moe_intermediate_size`
-    wide; Mixtral's `intermediate_size`) and the shared expert and its one-output gate."""
+    wide; Mixtral's `intermediate_size`) and the shared expert and its one-output gate
+    (DeepSeek: `n_shared_experts` of the routed experts' width, ungated)."""
     top_k = get("num_experts_per_tok")
-    experts = get("num_experts") or get("num_local_experts") or 0
+    experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts") or 0
     if not top_k or not (experts or get("moe_intermediate_size")):
         return 3 * h * _mlp_width(get)
     expert_width = get("moe_intermediate_size") or get("intermediate_size")
-    shared = get("shared_expert_intermediate_size") or 0
-    return h * experts + 3 * h * (top_k * expert_width + shared) + (h if shared else 0)
+    gated = get("shared_expert_intermediate_size") or 0
+    shared = gated + (get("n_shared_experts") or 0) * expert_width
+    return h * experts + 3 * h * (top_k * expert_width + shared) + (h if gated else 0)
 
 
 def _mlp_width(get) -> int:
@@ -141,8 +172,9 @@ def layer_flops(shape: FlopShape, kind: str, n: int, prompt_len: int,
     if kind == SLIDING_ATTENTION and shape.sliding_window:
         window = round((shape.sliding_window + 1) * n / max(prompt_len, 1))
         density = 1.0
-    # QK^T and PV: 2 FLOPs per multiply-add, head_dim of each per head and pair.
-    return 2.0 * shape.attention_params * n + 4.0 * shape.num_heads * shape.head_dim * \
+    # QK^T and PV: 2 FLOPs per multiply-add, per head and pair the query/key and value dims.
+    dims = shape.head_dim + (shape.v_head_dim or shape.head_dim)
+    return 2.0 * shape.attention_params * n + 2.0 * shape.num_heads * dims * \
         attended_pairs(n, window) * density
 
 
@@ -156,7 +188,8 @@ def prefill_flops(kept: Sequence[int], drop_layers: Sequence[int], shape: FlopSh
                              attention_density)
         if stage < len(drop_layers) and layer == drop_layers[stage]:
             stage += 1
-        total += 2.0 * shape.mlp_params * kept[min(stage, len(kept) - 1)]
+        mlp = shape.dense_mlp_params if layer < shape.dense_mlp_layers else shape.mlp_params
+        total += 2.0 * mlp * kept[min(stage, len(kept) - 1)]
     return total
 
 
