@@ -308,6 +308,19 @@ def test_gpt_oss_searches_its_full_attention_layers_from_the_scaled_llama_rule()
     assert sets and all(l % 2 == 1 for layers in sets for l in layers)
 
 
+def test_deepseek_searches_every_layer_from_the_scaled_llama_rule():
+    """DeepSeek-V2-Lite's depth (27): every MLA layer attends in full, so the search may drop
+    at any layer; the default is the Llama rule scaled to the depth."""
+    from transformers import AutoConfig
+    from test_deepseek_mla import CONFIG
+
+    cfg = AutoConfig.for_model(**dict(CONFIG, num_hidden_layers=27))
+    shape = cal.ModelShape.from_hf_config(cfg)
+    assert shape.full_layers is None
+    assert shape.default_schedule() == cal.Schedule((6, 9, 13, 16, 19, 23), 0.99, 64)
+    assert cal.candidate_layer_sets(27, full_layers=None) == cal.candidate_layer_sets(27)
+
+
 # ---- profiles ---------------------------------------------------------------------------------
 
 
