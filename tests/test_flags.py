@@ -141,6 +141,25 @@ def test_gpt_oss_drops_at_full_attention_layers_by_the_scaled_llama_rule():
                            ["GptOssForCausalLM"], 24, layer_types=kinds)
 
 
+def test_deepseek_drops_by_the_scaled_llama_rule_on_triton_only():
+    default = build_config(**DEFAULTS)
+    # DeepSeek-V2-Lite: 27 layers; DeepSeek-V3: 61.
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        assert validate_for_model(default, [arch], 27, attention_backends=["triton"]) == \
+            (6, 9, 13, 16, 19, 23)
+    assert validate_for_model(default, ["DeepseekV3ForCausalLM"], 61,
+                              attention_backends=["triton"]) == (13, 21, 29, 36, 44, 51)
+    # SGLang's MLA backends on a GPU (FA3, FlashInfer's MLA) have no adapter: dense, saying
+    # why, or refused where drop layers were asked for.
+    reason = unsupported_architecture_reason(["DeepseekV2ForCausalLM"], None, ["fa3", "triton"])
+    assert reason is not None and "triton attention backend only (not fa3)" in reason
+    assert validate_for_model(default, ["DeepseekV2ForCausalLM"], 27,
+                              attention_backends=["flashinfer"]) == ()
+    with pytest.raises(UniPrefillConfigError, match="triton attention backend only"):
+        validate_for_model(build_config(**{**DEFAULTS, "drop_layers": "6"}),
+                           ["DeepseekV2ForCausalLM"], 27, attention_backends=["fa3"])
+
+
 def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():
     from types import SimpleNamespace
 

@@ -365,13 +365,14 @@ def _run_absorbed(sublayer: nn.Module) -> None:
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
         AttnForwardMethod)
 
+    multi_head = {AttnForwardMethod.MHA, AttnForwardMethod.MHA_ONE_SHOT,
+                  AttnForwardMethod.MHA_CHUNKED_KV}  # SGLang's on CUDA and the CPU
     original = sublayer.dispatch_attn_forward_method
 
     @functools.wraps(original)
     def dispatch(forward_batch):
         method = original(forward_batch)
-        # MHA, MHA_ONE_SHOT, MHA_CHUNKED_KV (SGLang's multi-head forms on CUDA).
-        return AttnForwardMethod.MLA if method.name.startswith("MHA") else method
+        return AttnForwardMethod.MLA if method in multi_head else method
 
     sublayer.dispatch_attn_forward_method = dispatch
 
