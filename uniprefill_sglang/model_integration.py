@@ -21,7 +21,9 @@ in row order) runs in pieces of at most the chunk size while the batch is compac
 of earlier chunks that rejoin at the final chunk's first drop must not make a step's
 activations there larger than a chunk's. Beyond the rows' hidden state and residual (and, at a
 drop layer, the queries its drop scores with) a step then holds one piece's activations
-(pieces.py: the drop context's `pieces` names the rows a piece runs).
+(pieces.py: the drop context's `pieces` names the rows a piece runs). A family with
+multi-head latent attention (DeepSeek-V2/V3) runs its attention in the absorbed form from the
+first drop layer on (`_run_absorbed`).
 """
 
 from __future__ import annotations
