@@ -44,6 +44,7 @@ GEMMA3 = ModelFacts(("Gemma3ForCausalLM",), 6, 64,
                     ("sliding_attention",) * 5 + ("full_attention",), frozenset())
 GPT_OSS = ModelFacts(("GptOssForCausalLM",), 4, 64,
                      ("sliding_attention", "full_attention") * 2, frozenset())
+DEEPSEEK = ModelFacts(("DeepseekV2ForCausalLM",), 4, 64, None, frozenset())
 
 
 def _choose(monkeypatch, picked, facts, attention=None, prefill=None, decode=None):
@@ -76,6 +77,13 @@ def test_gpt_oss_never_lands_on_flashinfer(monkeypatch):
     assert _choose(monkeypatch, "fa3", GPT_OSS) == ("fa3", None, "triton")
     assert _choose(monkeypatch, "trtllm_mha", GPT_OSS) == ("triton", None, None)
     assert _choose(monkeypatch, "fa3", GPT_OSS, attention="triton") == ("triton", None, None)
+
+
+def test_a_family_served_on_named_backends_keeps_sglangs_pick(monkeypatch):
+    """DeepSeek's MLA has a UniPrefill path on Triton only: with no flag SGLang's own choice
+    stands (its requests run dense there, the reason naming the flag), a user's is kept."""
+    assert _choose(monkeypatch, "fa3", DEEPSEEK) == (None, None, None)
+    assert _choose(monkeypatch, "fa3", DEEPSEEK, attention="triton") == ("triton", None, None)
 
 
 def test_a_users_backends_are_kept(monkeypatch):

@@ -153,6 +153,7 @@ def test_deepseek_drops_by_the_scaled_llama_rule_on_triton_only():
     # why, or refused where drop layers were asked for.
     reason = unsupported_architecture_reason(["DeepseekV2ForCausalLM"], None, ["fa3", "triton"])
     assert reason is not None and "triton attention backend only (not fa3)" in reason
+    assert reason.endswith("--attention-backend triton")
     assert validate_for_model(default, ["DeepseekV2ForCausalLM"], 27,
                               attention_backends=["flashinfer"]) == ()
     with pytest.raises(UniPrefillConfigError, match="triton attention backend only"):

@@ -478,7 +478,8 @@ def unsupported_architecture_reason(
     if unserved:
         return (f"{names} is served by UniPrefill on the "
                 f"{' and '.join(sorted(entry.attention_backends))} attention backend only "
-                f"(not {', '.join(unserved)})")
+                f"(not {', '.join(unserved)}): --attention-backend "
+                f"{' or '.join(sorted(entry.attention_backends))}")
     serving = sliding_window_attention_backends()
     windowless = sorted(set(attention_backends) - set(serving))
     if arch_table.SLIDING_ATTENTION in (layer_types or ()) and windowless:

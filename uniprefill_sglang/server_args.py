@@ -255,8 +255,10 @@ class UniPrefillServerArgs(ServerArgs):
         and for gpt-oss (its sliding-window layers after a drop run the positional kernel);
         decode runs on FlashInfer, whose adapter holds the per-stage decode views and decode
         CUDA graphs (backends/fa3.py), or on Triton for a model SGLang will not serve on
-        FlashInfer (gpt-oss). Elsewhere the default is FlashInfer (Triton for such a model); a
-        family served on named backends only (DeepSeek's MLA) gets its own."""
+        FlashInfer (gpt-oss). Elsewhere the default is FlashInfer (Triton for such a model). A
+        family served on named backends only (DeepSeek's MLA: Triton) keeps SGLang's pick
+        untouched: moving it to a backend whose prefill may be slower is the user's choice
+        (its requests run dense elsewhere, the reason naming the flag)."""
         given = (self.attention_backend, self.prefill_attention_backend,
                  self.decode_attention_backend)
         if self.decode_attention_backend == "fa3":
@@ -265,12 +267,13 @@ class UniPrefillServerArgs(ServerArgs):
                 "over per-stage KV views runs on flashinfer or triton (FA3 serves prefill)")
         arch = architecture_entry(facts.architectures) if facts is not None else None
         flashinfer = arch is None or arch.flashinfer
-        if given == (None, None, None) and arch is not None and arch.attention_backends:
-            # A family served on one backend only (DeepSeek's MLA: Triton) runs there.
-            self.attention_backend = min(arch.attention_backends)
-            logger.info("UniPrefill: %s attention for %s", self.attention_backend,
-                        ", ".join(facts.architectures))
-        elif given == (None, None, None):
+        if arch is not None and arch.attention_backends:
+            if given == (None, None, None):
+                logger.info("UniPrefill: %s is served on --attention-backend %s only; "
+                            "SGLang's own pick runs it dense", ", ".join(facts.architectures),
+                            " or ".join(sorted(arch.attention_backends)))
+            return
+        if given == (None, None, None):
             plain = facts is not None and set(arch_table.layer_kinds(
                 facts.layer_types, facts.num_layers)) == {arch_table.FULL_ATTENTION}
             try:

@@ -8,10 +8,9 @@ The model is tests/test_deepseek_mla.py's reduced DeepSeek-V2 widened to V2-Lite
 (hidden size 2048, 16 heads, kv_lora_rank 512, 128 + 64 query/key dims, 128 value dims, YaRN
 RoPE) with fewer, smaller MoE layers (4 layers, the first dense; 8 routed experts top-2 and
 2 shared), seeded random weights, in bfloat16. SGLang picks fa3 for MLA on Hopper (FlashInfer's
-MLA backend on Blackwell); neither has a UniPrefill adapter, so with --enable-uniprefill and no
-backend flag the server runs DeepSeek on Triton (server_args.py), and a server told to use
-either runs it dense, saying why, or refuses to start where drop layers were given
-(tests/test_flags.py). UniPrefill drops at layers 1 and 2: from layer 1 on every extend runs
+MLA backend on Blackwell); neither has a UniPrefill adapter, so a server left on SGLang's pick
+runs it dense, saying why (its reason names `--attention-backend triton`), or refuses to start
+where drop layers were given (tests/test_flags.py); these engines ask for Triton. UniPrefill drops at layers 1 and 2: from layer 1 on every extend runs
 MLA's absorbed form, layers 2 and 3 read the latent KV through their stage's view, decode
 through Triton's CUDA graphs with per-stage views. Whole and chunked at 512:
 
@@ -48,8 +47,8 @@ ENGINE_KWARGS = dict(
     uniprefill_drop_layers="1,2", uniprefill_block_size=16, uniprefill_sink_tokens=16,
     uniprefill_last_queries=16, disable_radix_cache=True, dtype="bfloat16", context_length=8192,
     max_running_requests=8, max_total_tokens=32768, mem_fraction_static=0.3, random_seed=0,
-    log_level="info")
-ENGINES = {  # no backend flag: UniPrefill's pick for MLA (Triton)
+    log_level="info", attention_backend="triton")
+ENGINES = {  # UniPrefill serves MLA on Triton
     "pick_whole": dict(chunked_prefill_size=8192),
     "pick_chunked": dict(chunked_prefill_size=512),
 }
