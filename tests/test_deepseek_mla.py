@@ -17,8 +17,14 @@ latent pool through their stage's view. One engine chunking at 128 tokens serves
   and answers token for token as dense in the same engine;
 * a 300-token prompt (three chunks, the first two parked at layer 1): the same, the rejoined
   rows running layers 2 and 3 in pieces of 128 over the latent KV the earlier pieces wrote;
-* nothing is left parked, no request or KV slot held (host KV lengths checked against the
-  device at every drop and decode step, UNIPREFILL_CHECK_KV_LENS).
+* a follow-up whose prompt begins with the 120-token prompt, cached by a request that dropped
+  (the radix tree's hit runs every layer absorbed, an extend over a cached prefix): under
+  `verify` (the engine keeps the prefix checkpoint) a top-p 1.0 follow-up re-selects and a dense
+  one gets the dropped tokens back, both answering token for token as dense on an empty cache;
+  under `reuse-sparse` both read the latent KV the cache holds, and top-p 1.0 answers as dense
+  over that same cache;
+* nothing is left parked, no request, private prefix slot or KV slot held (host KV lengths
+  checked against the device at every drop and decode step, UNIPREFILL_CHECK_KV_LENS).
 """
 
 from __future__ import annotations
@@ -57,12 +63,15 @@ ENGINE = dict(skip_tokenizer_init=True, context_length=1024, max_total_tokens=20
               triton_attention_num_kv_splits=1,
               chunked_prefill_size=CHUNK, max_prefill_tokens=CHUNK,
               enable_uniprefill=True, uniprefill_drop_layers="1,2", uniprefill_block_size=16,
-              uniprefill_sink_tokens=16, uniprefill_last_queries=16)
+              uniprefill_sink_tokens=16, uniprefill_last_queries=16,
+              uniprefill_prefix_checkpoint=True)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 KNOBS = {"dense": {"uniprefill": False}, "full": {"uniprefill_top_p": 1.0},
          "forced": {"uniprefill_keep_ratio": 0.5}}
-SHORT, LONG = random_prompts(CONFIG["vocab_size"], lengths=(120, 300))
+SHORT, LONG, TAIL = random_prompts(CONFIG["vocab_size"], lengths=(120, 300, 40))
 PROMPTS = {"short": SHORT, "long": LONG}
+FOLLOW_UP = SHORT + TAIL  # its first 120 tokens cached by a request that dropped
+PREFIX_POLICIES = ("verify", "reuse-sparse")
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +90,24 @@ def runs(tmp_path_factory):
         for prompt, ids in PROMPTS.items():
             for knob, custom in KNOBS.items():
                 flush_cache(engine)  # each request prefills the whole prompt
-                out[prompt, knob] = engine.generate(
-                    input_ids=ids, sampling_params=dict(GREEDY, custom_params=custom))
+                out[prompt, knob] = _generate(engine, ids, custom)
+        flush_cache(engine)
+        out["follow-up", "empty cache"] = _generate(engine, FOLLOW_UP, KNOBS["dense"])
+        for policy in PREFIX_POLICIES:
+            for knob in ("full", "dense"):
+                flush_cache(engine)
+                out["cached", policy, knob] = _generate(engine, SHORT, KNOBS["forced"])
+                out["follow-up", policy, knob] = _generate(
+                    engine, FOLLOW_UP, dict(KNOBS[knob], uniprefill_prefix_policy=policy))
         flush_cache(engine)  # the radix cache lets go of the last request's slots
         out["state"] = idle_state(engine)
     finally:
         engine.shutdown()
     return out
+
+
+def _generate(engine, ids, custom) -> dict:
+    return engine.generate(input_ids=ids, sampling_params=dict(GREEDY, custom_params=custom))
 
 
 def _last(out) -> dict:
@@ -121,6 +141,40 @@ def test_a_keep_ratio_drops_and_answers(runs, prompt):
 def test_the_long_prompt_ran_chunked_and_rejoined_in_pieces(runs):
     assert len(LONG) > 2 * CHUNK
     assert runs["state"]["pieced_mlp_calls"] > 0
+
+
+@pytest.mark.parametrize("policy", PREFIX_POLICIES)
+@pytest.mark.parametrize("knob", ["full", "dense"])
+def test_a_follow_up_hits_the_prefix_a_dropping_request_cached(runs, policy, knob):
+    cached = _last(runs["cached", policy, knob])
+    assert cached["kept_tokens"][-1] < cached["kept_tokens"][0], cached  # the cache is sparse
+    out = runs["follow-up", policy, knob]
+    assert out["meta_info"]["cached_tokens"] >= len(SHORT) - 1, out["meta_info"]
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_under_verify_the_follow_ups_answer_as_dense_on_an_empty_cache(runs):
+    """Top-p 1.0 tolerates no missing mass: it re-selects over prefix and new tokens, keeping
+    all; a dense request gets the tokens the cache dropped back. Both rejoin the prefix from
+    its checkpoint at layer 1, on private latent slots."""
+    reference = runs["follow-up", "empty cache"]["output_ids"]
+    for knob, action in (("full", "re-selected"), ("dense", "restored")):
+        meta = _last(runs["follow-up", "verify", knob])
+        assert meta["prefix"]["action"] == action, meta
+        assert meta["kept_tokens"] == [len(FOLLOW_UP)] * 3, meta
+        assert runs["follow-up", "verify", knob]["output_ids"] == reference, knob
+
+
+def test_under_reuse_sparse_top_p_one_answers_as_dense_over_the_same_cache(runs):
+    """Both read the latent KV the cache holds (the dropped request's survivors past layer 1)
+    through their stage's view; top-p 1.0 keeps every new token."""
+    full, dense = runs["follow-up", "reuse-sparse", "full"], runs["follow-up", "reuse-sparse",
+                                                                    "dense"]
+    meta = _last(full)
+    assert meta["enabled"] and meta["prefix"]["action"] == "reused", meta
+    assert meta["kept_tokens"] == [len(TAIL)] * 3, meta
+    assert _last(dense).get("prefix") is None, _last(dense)
+    assert full["output_ids"] == dense["output_ids"]
 
 
 def test_nothing_left_behind(runs):
