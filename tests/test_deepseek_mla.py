@@ -1,5 +1,5 @@
-"""DeepSeek-V2 (`DeepseekV2ForCausalLM`: multi-head latent attention, MoE) on SGLang's CPU
-engine: Triton attention through Triton's interpreter.
+"""DeepSeek-V2 (`DeepseekV2ForCausalLM`: multi-head latent attention, MoE) and DeepSeek-V3
+(`DeepseekV3ForCausalLM`) on SGLang's CPU engine: Triton attention through Triton's interpreter.
 
 The model is reduced (4 layers, hidden size 64, 4 heads, kv_lora_rank 48 with 16 RoPE dims,
 4 routed experts top-2 and a shared one from layer 1 on) with random weights, written by
@@ -25,6 +25,11 @@ latent pool through their stage's view. One engine chunking at 128 tokens serves
   over that same cache;
 * nothing is left parked, no request, private prefix slot or KV slot held (host KV lengths
   checked against the device at every drop and decode step, UNIPREFILL_CHECK_KV_LENS).
+
+DeepSeek-V3 shares V2's attention and SGLang model code; its router differs (`noaux_tc`: sigmoid
+scores, the `e_score_correction_bias` weight (transformers writes zeros), expert groups, scaled
+and normalised top-k weights). A second engine of the same sizes serves the 120-token prompt
+only: a keep ratio drops, top-p 1.0 answers as dense, nothing is left behind.
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ CONFIG = dict(
                   "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
     attention_bias=False, attention_dropout=0.0, initializer_range=0.2,
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+V3_CONFIG = dict(CONFIG, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                 topk_method="noaux_tc", scoring_func="sigmoid", n_group=2, topk_group=1,
+                 routed_scaling_factor=2.5, norm_topk_prob=True)
 CHUNK = 128
 ENGINE = dict(skip_tokenizer_init=True, context_length=1024, max_total_tokens=2048,
               log_level="warning", attention_backend="triton",
@@ -74,38 +82,6 @@ FOLLOW_UP = SHORT + TAIL  # its first 120 tokens cached by a request that droppe
 PREFIX_POLICIES = ("verify", "reuse-sparse")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from uniprefill_sglang.tools.model_zoo import random_model
-
-    model_dir = random_model(tmp_path_factory.mktemp("deepseek_v2"), CONFIG)
-    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
-    os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
-    with triton_interpreter():
-        engine = make_cpu_engine(model_dir, **ENGINE)
-    out = {}
-    try:
-        out["server"] = engine.get_server_info()
-        for prompt, ids in PROMPTS.items():
-            for knob, custom in KNOBS.items():
-                flush_cache(engine)  # each request prefills the whole prompt
-                out[prompt, knob] = _generate(engine, ids, custom)
-        flush_cache(engine)
-        out["follow-up", "empty cache"] = _generate(engine, FOLLOW_UP, KNOBS["dense"])
-        for policy in PREFIX_POLICIES:
-            for knob in ("full", "dense"):
-                flush_cache(engine)
-                out["cached", policy, knob] = _generate(engine, SHORT, KNOBS["forced"])
-                out["follow-up", policy, knob] = _generate(
-                    engine, FOLLOW_UP, dict(KNOBS[knob], uniprefill_prefix_policy=policy))
-        flush_cache(engine)  # the radix cache lets go of the last request's slots
-        out["state"] = idle_state(engine)
-    finally:
-        engine.shutdown()
-    return out
-
-
 def _generate(engine, ids, custom) -> dict:
     return engine.generate(input_ids=ids, sampling_params=dict(GREEDY, custom_params=custom))
 
@@ -114,22 +90,83 @@ def _last(out) -> dict:
     return out["meta_info"]["uniprefill"][-1]
 
 
-def test_served_by_the_integration_on_triton(runs):
+def _serve(folder, config, requests) -> dict:
+    """Start an engine of `config` and record `requests(engine)`, its server info and its idle
+    state once the radix cache let go of the last request's slots."""
+    pytest.importorskip("transformers")
+    from uniprefill_sglang.tools.model_zoo import random_model
+
+    model_dir = random_model(folder, config)
+    os.environ["UNIPREFILL_REPORT_KEPT"] = "1"
+    os.environ["UNIPREFILL_CHECK_KV_LENS"] = "1"
+    with triton_interpreter():
+        engine = make_cpu_engine(model_dir, **ENGINE)
+    try:
+        out = {"server": engine.get_server_info(), **requests(engine)}
+        flush_cache(engine)
+        out["state"] = idle_state(engine)
+    finally:
+        engine.shutdown()
+    return out
+
+
+def _on_an_empty_cache(engine, prompts) -> dict:
+    out = {}
+    for prompt, ids in prompts.items():
+        for knob, custom in KNOBS.items():
+            flush_cache(engine)  # each request prefills the whole prompt
+            out[prompt, knob] = _generate(engine, ids, custom)
+    return out
+
+
+def _v2_requests(engine) -> dict:
+    out = _on_an_empty_cache(engine, PROMPTS)
+    flush_cache(engine)
+    out["follow-up", "empty cache"] = _generate(engine, FOLLOW_UP, KNOBS["dense"])
+    for policy in PREFIX_POLICIES:
+        for knob in ("full", "dense"):
+            flush_cache(engine)
+            out["cached", policy, knob] = _generate(engine, SHORT, KNOBS["forced"])
+            out["follow-up", policy, knob] = _generate(
+                engine, FOLLOW_UP, dict(KNOBS[knob], uniprefill_prefix_policy=policy))
+    return out
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    return _serve(tmp_path_factory.mktemp("deepseek_v2"), CONFIG, _v2_requests)
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    return _serve(tmp_path_factory.mktemp("deepseek_v3"), V3_CONFIG,
+                  lambda engine: _on_an_empty_cache(engine, {"short": SHORT}))
+
+
+# (model, prompt) served on an empty cache with every knob.
+SERVED = [("v2", "long"), ("v2", "short"), ("v3", "short")]
+
+
+@pytest.mark.parametrize("model", ["v2", "v3"])
+def test_served_by_the_integration_on_triton(request, model):
+    runs = request.getfixturevalue(model)
     assert runs["server"]["attention_backend"] == "triton"
     assert runs["state"]["drop_layers"] == [1, 2]
     assert _last(runs["short", "forced"])["reason"] is None, _last(runs["short", "forced"])
 
 
-@pytest.mark.parametrize("prompt", sorted(PROMPTS))
-def test_top_p_one_is_token_identical_to_dense(runs, prompt):
+@pytest.mark.parametrize("model,prompt", SERVED)
+def test_top_p_one_is_token_identical_to_dense(request, model, prompt):
+    runs = request.getfixturevalue(model)
     meta = _last(runs[prompt, "full"])
     assert meta["enabled"], meta
     assert meta["kept_tokens"] == [len(PROMPTS[prompt])] * 3, meta
     assert runs[prompt, "full"]["output_ids"] == runs[prompt, "dense"]["output_ids"]
 
 
-@pytest.mark.parametrize("prompt", sorted(PROMPTS))
-def test_a_keep_ratio_drops_and_answers(runs, prompt):
+@pytest.mark.parametrize("model,prompt", SERVED)
+def test_a_keep_ratio_drops_and_answers(request, model, prompt):
+    runs = request.getfixturevalue(model)
     meta = _last(runs[prompt, "forced"])
     assert meta["enabled"] and meta["reason"] is None, meta
     kept = meta["kept_tokens"]
@@ -138,38 +175,37 @@ def test_a_keep_ratio_drops_and_answers(runs, prompt):
     assert len(runs[prompt, "forced"]["output_ids"]) == GREEDY["max_new_tokens"]
 
 
-def test_the_long_prompt_ran_chunked_and_rejoined_in_pieces(runs):
+def test_the_long_prompt_ran_chunked_and_rejoined_in_pieces(v2):
     assert len(LONG) > 2 * CHUNK
-    assert runs["state"]["pieced_mlp_calls"] > 0
+    assert v2["state"]["pieced_mlp_calls"] > 0
 
 
 @pytest.mark.parametrize("policy", PREFIX_POLICIES)
 @pytest.mark.parametrize("knob", ["full", "dense"])
-def test_a_follow_up_hits_the_prefix_a_dropping_request_cached(runs, policy, knob):
-    cached = _last(runs["cached", policy, knob])
+def test_a_follow_up_hits_the_prefix_a_dropping_request_cached(v2, policy, knob):
+    cached = _last(v2["cached", policy, knob])
     assert cached["kept_tokens"][-1] < cached["kept_tokens"][0], cached  # the cache is sparse
-    out = runs["follow-up", policy, knob]
+    out = v2["follow-up", policy, knob]
     assert out["meta_info"]["cached_tokens"] >= len(SHORT) - 1, out["meta_info"]
     assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
 
 
-def test_under_verify_the_follow_ups_answer_as_dense_on_an_empty_cache(runs):
+def test_under_verify_the_follow_ups_answer_as_dense_on_an_empty_cache(v2):
     """Top-p 1.0 tolerates no missing mass: it re-selects over prefix and new tokens, keeping
     all; a dense request gets the tokens the cache dropped back. Both rejoin the prefix from
     its checkpoint at layer 1, on private latent slots."""
-    reference = runs["follow-up", "empty cache"]["output_ids"]
+    reference = v2["follow-up", "empty cache"]["output_ids"]
     for knob, action in (("full", "re-selected"), ("dense", "restored")):
-        meta = _last(runs["follow-up", "verify", knob])
+        meta = _last(v2["follow-up", "verify", knob])
         assert meta["prefix"]["action"] == action, meta
         assert meta["kept_tokens"] == [len(FOLLOW_UP)] * 3, meta
-        assert runs["follow-up", "verify", knob]["output_ids"] == reference, knob
+        assert v2["follow-up", "verify", knob]["output_ids"] == reference, knob
 
 
-def test_under_reuse_sparse_top_p_one_answers_as_dense_over_the_same_cache(runs):
+def test_under_reuse_sparse_top_p_one_answers_as_dense_over_the_same_cache(v2):
     """Both read the latent KV the cache holds (the dropped request's survivors past layer 1)
     through their stage's view; top-p 1.0 keeps every new token."""
-    full, dense = runs["follow-up", "reuse-sparse", "full"], runs["follow-up", "reuse-sparse",
-                                                                    "dense"]
+    full, dense = (v2["follow-up", "reuse-sparse", knob] for knob in ("full", "dense"))
     meta = _last(full)
     assert meta["enabled"] and meta["prefix"]["action"] == "reused", meta
     assert meta["kept_tokens"] == [len(TAIL)] * 3, meta
@@ -177,8 +213,9 @@ def test_under_reuse_sparse_top_p_one_answers_as_dense_over_the_same_cache(runs)
     assert full["output_ids"] == dense["output_ids"]
 
 
-def test_nothing_left_behind(runs):
-    state = runs["state"]
+@pytest.mark.parametrize("model", ["v2", "v3"])
+def test_nothing_left_behind(request, model):
+    state = request.getfixturevalue(model)["state"]
     assert state["parked_requests"] == 0 and state["private_prefix_slots"] == 0
     assert state["free_req_slots"] == state["req_slots"]
     assert state["available_kv_tokens"] == state["max_total_num_tokens"]
