@@ -49,8 +49,8 @@ ENGINE_KWARGS = dict(
     max_running_requests=8, max_total_tokens=32768, mem_fraction_static=0.3, random_seed=0,
     log_level="info", attention_backend="triton")
 ENGINES = {  # UniPrefill serves MLA on Triton
-    "pick_whole": dict(chunked_prefill_size=8192),
-    "pick_chunked": dict(chunked_prefill_size=512),
+    "triton_whole": dict(chunked_prefill_size=8192),
+    "triton_chunked": dict(chunked_prefill_size=512),
 }
 PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
@@ -83,7 +83,7 @@ def test_forced_keep_drops_and_batches_alike(results, name):
 
 
 def test_chunked_keeps_and_answers_as_whole(results):
-    check_chunked_as_whole(results["pick_whole"], results["pick_chunked"])
+    check_chunked_as_whole(results["triton_whole"], results["triton_chunked"])
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
