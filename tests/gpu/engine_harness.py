@@ -214,6 +214,16 @@ def _last_meta(rec) -> dict:
     return rec["uniprefill"][-1]
 
 
+def check_top_p_one_as_dense(res: dict, prompt_len: int, stages: int) -> None:
+    """`forced_keep_workload`'s top-p 1.0 request kept every token at each of the `stages`
+    and answered token for token as dense in the same engine, decode on CUDA graphs."""
+    meta = _last_meta(res["full"])
+    assert meta["kept_tokens"] == [prompt_len] * stages, meta
+    assert res["full"]["output_ids"] == res["dense"]["output_ids"], \
+        (res["full"]["output_ids"], res["dense"]["output_ids"])
+    assert res["cuda_graph"]
+
+
 def check_forced_keep(res: dict, prompt_len: int, last_below: float,
                       no_reason: bool = False) -> None:
     """`forced_keep_workload`'s forced keep dropped to under `last_below` of the prompt by its

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 from engine_harness import (check_chunked_as_whole, check_forced_keep, check_nothing_left,
-                            forced_keep_workload, random_prompts)
+                            check_top_p_one_as_dense, forced_keep_workload, random_prompts)
 
 VOCAB_SIZE = 512
 ENGINES = {
@@ -48,16 +48,10 @@ def run_workload(engine) -> dict:
     return forced_keep_workload(engine, PROMPT, OTHER)
 
 
-def _meta(rec) -> dict:
-    return rec["uniprefill"][-1]
-
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_top_p_one_is_token_identical_to_dense(results, name):
-    res = results[name]
-    assert res["full"]["output_ids"] == res["dense"]["output_ids"]
-    assert _meta(res["full"])["kept_tokens"] == [len(PROMPT)] * 3
-    assert res["cuda_graph"]
+    check_top_p_one_as_dense(results[name], len(PROMPT), 3)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_harness import (check_chunked_as_whole, check_forced_keep,  # noqa: E402
-                            check_nothing_left, forced_keep_workload, random_model_results,
-                            random_prompts, serve_and_record)
+                            check_nothing_left, check_top_p_one_as_dense,
+                            forced_keep_workload, random_model_results, random_prompts,
+                            serve_and_record)
 from test_deepseek_mla import CONFIG as CPU_CONFIG  # noqa: E402
 
 CONFIG = dict(CPU_CONFIG, vocab_size=4096, hidden_size=2048, intermediate_size=4096,
@@ -60,9 +61,6 @@ def results():
     yield from random_model_results(__file__, CONFIG, ENGINES, 600, "deepseek_mla_engine_")
 
 
-def _meta(rec) -> dict:
-    return rec["uniprefill"][-1]
-
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_served_on_triton(results, name):
@@ -71,10 +69,7 @@ def test_served_on_triton(results, name):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_top_p_one_is_token_identical_to_dense(results, name):
-    res = results[name]
-    assert _meta(res["full"])["kept_tokens"] == [len(PROMPT)] * 3, _meta(res["full"])
-    assert res["full"]["output_ids"] == res["dense"]["output_ids"]
-    assert res["cuda_graph"]
+    check_top_p_one_as_dense(results[name], len(PROMPT), 3)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

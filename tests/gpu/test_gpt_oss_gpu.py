@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine_harness import (check_chunked_as_whole, check_forced_keep,  # noqa: E402
-                            check_nothing_left, forced_keep_workload, random_model_results,
-                            random_prompts, serve_and_record)
+                            check_nothing_left, check_top_p_one_as_dense,
+                            forced_keep_workload, random_model_results, random_prompts,
+                            serve_and_record)
 from test_gpt_oss import CONFIG as CPU_CONFIG  # noqa: E402
 
 CONFIG = dict(CPU_CONFIG, hidden_size=256, intermediate_size=256, head_dim=64,
@@ -57,16 +58,10 @@ def results():
     yield from random_model_results(__file__, CONFIG, ENGINES, 420, "gpt_oss_engine_")
 
 
-def _meta(rec) -> dict:
-    return rec["uniprefill"][-1]
-
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_top_p_one_is_token_identical_to_dense(results, name):
-    res = results[name]
-    assert _meta(res["full"])["kept_tokens"] == [len(PROMPT)] * 2, _meta(res["full"])
-    assert res["full"]["output_ids"] == res["dense"]["output_ids"]
-    assert res["cuda_graph"]
+    check_top_p_one_as_dense(results[name], len(PROMPT), 2)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
