@@ -80,9 +80,23 @@ def test_gpt_oss_never_lands_on_flashinfer(monkeypatch):
 
 
 def test_a_family_served_on_named_backends_keeps_sglangs_pick(monkeypatch):
-    """DeepSeek's MLA has a UniPrefill path on Triton only: with no flag SGLang's own choice
-    stands (its requests run dense there, the reason naming the flag), a user's is kept."""
+    """DeepSeek's MLA has a UniPrefill path on Triton: with no flag SGLang's own choice stands
+    (its requests run dense there, the reason naming the flag), a user's is kept."""
+    monkeypatch.delenv("UNIPREFILL_PREVIEW_BACKENDS", raising=False)
     assert _choose(monkeypatch, "fa3", DEEPSEEK) == (None, None, None)
+    assert _choose(monkeypatch, "fa3", DEEPSEEK, attention="triton") == ("triton", None, None)
+    assert _choose(monkeypatch, "fa3", DEEPSEEK, attention="fa3") == ("fa3", None, None)
+
+
+def test_deepseek_on_fa3_prefill_decodes_on_triton_under_the_preview(monkeypatch):
+    """Its FA3 prefill adapter is a preview: SGLang's fa3 pick (or a user's) is served then,
+    decoding on Triton (the FA3 adapter serves no decode views, FlashInfer's MLA backend has no
+    adapter); a pick outside the served backends stays untouched."""
+    monkeypatch.setenv("UNIPREFILL_PREVIEW_BACKENDS", "1")
+    assert _choose(monkeypatch, "fa3", DEEPSEEK) == ("fa3", None, "triton")
+    assert _choose(monkeypatch, "fa3", DEEPSEEK, attention="fa3") == ("fa3", None, "triton")
+    assert _choose(monkeypatch, "fa3", DEEPSEEK, prefill="fa3") == (None, "fa3", "triton")
+    assert _choose(monkeypatch, "flashinfer", DEEPSEEK) == (None, None, None)
     assert _choose(monkeypatch, "fa3", DEEPSEEK, attention="triton") == ("triton", None, None)
 
 
@@ -136,3 +150,7 @@ def test_sliding_window_layers_are_served_unless_their_pool_or_an_fp8_cache_is_s
         backend(token_to_kv_pool=SimpleNamespace(dtype=torch.float8_e4m3fn)))
     assert ADAPTER.unsupported_reason(backend(has_swa=False, token_to_kv_pool=SimpleNamespace(
         dtype=torch.float8_e4m3fn))) is None
+    # MLA (DeepSeek, a preview): served over its latent pool in the model's dtype only.
+    assert ADAPTER.unsupported_reason(backend(has_swa=False, use_mla=True)) is None
+    assert ADAPTER.unsupported_reason(backend(has_swa=False, use_mla=True, token_to_kv_pool=(
+        SimpleNamespace(dtype=torch.float8_e4m3fn)))) == "FA3 with MLA and an fp8 KV cache"

@@ -141,7 +141,8 @@ def test_gpt_oss_drops_at_full_attention_layers_by_the_scaled_llama_rule():
                            ["GptOssForCausalLM"], 24, layer_types=kinds)
 
 
-def test_deepseek_drops_by_the_scaled_llama_rule_on_triton_only():
+def test_deepseek_drops_by_the_scaled_llama_rule_on_triton_only(monkeypatch):
+    monkeypatch.delenv("UNIPREFILL_PREVIEW_BACKENDS", raising=False)
     default = build_config(**DEFAULTS)
     # DeepSeek-V2-Lite: 27 layers; DeepSeek-V3: 61.
     for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
@@ -153,12 +154,28 @@ def test_deepseek_drops_by_the_scaled_llama_rule_on_triton_only():
     # why, or refused where drop layers were asked for.
     reason = unsupported_architecture_reason(["DeepseekV2ForCausalLM"], None, ["fa3", "triton"])
     assert reason is not None and "triton attention backend only (not fa3)" in reason
-    assert reason.endswith("--attention-backend triton")
+    assert reason.endswith("--attention-backend triton; fa3 under UNIPREFILL_PREVIEW_BACKENDS=1 "
+                           "(a preview)")
     assert validate_for_model(default, ["DeepseekV2ForCausalLM"], 27,
                               attention_backends=["flashinfer"]) == ()
     with pytest.raises(UniPrefillConfigError, match="triton attention backend only"):
         validate_for_model(build_config(**{**DEFAULTS, "drop_layers": "6"}),
                            ["DeepseekV2ForCausalLM"], 27, attention_backends=["fa3"])
+
+
+def test_deepseek_on_fa3_prefill_is_a_preview_served_only_when_asked_for(monkeypatch):
+    default = build_config(**DEFAULTS)
+    monkeypatch.setenv("UNIPREFILL_PREVIEW_BACKENDS", "1")
+    assert unsupported_architecture_reason(["DeepseekV2ForCausalLM"], None,
+                                           ["fa3", "triton"]) is None
+    assert validate_for_model(default, ["DeepseekV2ForCausalLM"], 27,
+                              attention_backends=["fa3", "triton"]) == (6, 9, 13, 16, 19, 23)
+    # FlashInfer's MLA backend has no adapter, preview or not.
+    reason = unsupported_architecture_reason(["DeepseekV2ForCausalLM"], None, ["flashinfer"])
+    assert reason.endswith("(not flashinfer): --attention-backend fa3 or triton")
+    monkeypatch.setenv("UNIPREFILL_PREVIEW_BACKENDS", "0")
+    assert "(not fa3)" in unsupported_architecture_reason(["DeepseekV2ForCausalLM"], None,
+                                                          ["fa3", "triton"])
 
 
 def test_qwen3_next_drops_at_its_full_attention_layers_named_either_way():

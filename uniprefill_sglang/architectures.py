@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
+from uniprefill_sglang import environ
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -133,6 +135,15 @@ class Architecture:
     # The attention backends whose adapter serves it (None: every one UniPrefill supports);
     # elsewhere its requests run dense, saying why (config.py).
     attention_backends: Optional[frozenset] = None
+    # Backends whose adapter is written for it but has not passed its GPU tests: served only
+    # under UNIPREFILL_PREVIEW_BACKENDS (environ.py), otherwise as any backend not named above.
+    preview_backends: frozenset = frozenset()
+
+    def served_backends(self) -> Optional[frozenset]:
+        """The attention backends it is served on in this process (None: every one)."""
+        if self.attention_backends is None or not environ.PREVIEW_BACKENDS.get():
+            return self.attention_backends
+        return self.attention_backends | self.preview_backends
 
 
 ARCHITECTURES: Tuple[Architecture, ...] = (
@@ -165,12 +176,12 @@ ARCHITECTURES: Tuple[Architecture, ...] = (
     # first drop layer on the attention runs in its absorbed form, one KV head of the latent
     # (kv_lora_rank) and the shared RoPE key, so the drop scores the absorbed queries against
     # the latent KV in the pool (the attention logits themselves; a final chunk scores its
-    # earlier chunks' rows there) and a later stage's view lists latent slots. Served on Triton
-    # only: SGLang's FlashInfer and FA3 MLA backends have no adapter. The paper has no MLA
-    # run: the default is the Llama rule scaled by depth (DeepSeek-V2-Lite, 27 layers:
-    # 6, 9, 13, 16, 19, 23); not measured.
+    # earlier chunks' rows there) and a later stage's view lists latent slots. Served on Triton;
+    # FA3's MLA prefill (SGLang's pick on Hopper, decoding on Triton) is a preview; SGLang's
+    # FlashInfer MLA backend has no adapter. The paper has no MLA run: the default is the Llama
+    # rule scaled by depth (DeepSeek-V2-Lite, 27 layers: 6, 9, 13, 16, 19, 23); not measured.
     Architecture(frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}), DEEPSEEK_MLA,
-                 attention_backends=frozenset({"triton"})),
+                 attention_backends=frozenset({"triton"}), preview_backends=frozenset({"fa3"})),
     # Qwen3-Next: three Gated DeltaNet layers per full-attention layer, each called as
     # layer(positions=..., hidden_states=..., residual=..., forward_batch=...), its attention
     # output added to the residual stream by post_attention_layernorm. After a drop the linear

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 from uniprefill_sglang import architectures as arch_table
+from uniprefill_sglang import environ
 
 # Architectures with a table entry (uniprefill_sglang/architectures.py).
 SUPPORTED_ARCHITECTURES = arch_table.SUPPORTED_NAMES
@@ -473,13 +474,15 @@ def unsupported_architecture_reason(
     if kinds:
         return (f"unsupported architecture {names}: layers of kind {', '.join(kinds)} "
                 f"(its integration serves {', '.join(sorted(entry.layer_kinds))})")
-    unserved = sorted(set(attention_backends) - entry.attention_backends
-                      if entry.attention_backends is not None else ())
+    served = entry.served_backends()
+    unserved = sorted(set(attention_backends) - served if served is not None else ())
     if unserved:
-        return (f"{names} is served by UniPrefill on the "
-                f"{' and '.join(sorted(entry.attention_backends))} attention backend only "
-                f"(not {', '.join(unserved)}): --attention-backend "
-                f"{' or '.join(sorted(entry.attention_backends))}")
+        preview = (f"; {', '.join(sorted(entry.preview_backends))} under "
+                   f"{environ.PREVIEW_BACKENDS.name}=1 (a preview)"
+                   if entry.preview_backends and not entry.preview_backends <= served else "")
+        return (f"{names} is served by UniPrefill on the {' and '.join(sorted(served))} "
+                f"attention backend only (not {', '.join(unserved)}): --attention-backend "
+                f"{' or '.join(sorted(served))}{preview}")
     serving = sliding_window_attention_backends()
     windowless = sorted(set(attention_backends) - set(serving))
     if arch_table.SLIDING_ATTENTION in (layer_types or ()) and windowless:

@@ -87,6 +87,11 @@ HYBRID_PREFIX_CACHE = Flag(
     "re-selected, so the prefix checkpoint is refused); tested on the CPU engine with "
     "Qwen3-Next and LFM2 and on an H200 with Qwen3-Next, on SGLang 0.5.17; without it such a "
     "family runs with the radix cache off")
+PREVIEW_BACKENDS = Flag(
+    "UNIPREFILL_PREVIEW_BACKENDS",
+    "a family is served on its preview attention backends too (architectures.py: DeepSeek's MLA "
+    "on fa3 prefill, decoding on Triton), adapters written against SGLang's code that have not "
+    "yet passed their GPU tests; without it such a backend runs the family dense, saying why")
 DECODE_GRAPH_ENTRIES = Text(
     "UNIPREFILL_DECODE_GRAPH_ENTRIES",
     "test only: entries of each per-stage decode-graph index list (default: two KV pools' "
@@ -119,5 +124,5 @@ def kernel_path() -> Optional[str]:
 
 
 ALL = (CHECK_TP, CHECK_KV_LENS, REPORT_KEPT, FORCE_REFERENCE, FORCE_TRITON, TEST_FAULT,
-       TEST_SELECTION, HYBRID_PREFIX_CACHE, DECODE_GRAPH_ENTRIES, FLASHINFER_PAGED_TEMPLATE,
+       TEST_SELECTION, HYBRID_PREFIX_CACHE, PREVIEW_BACKENDS, DECODE_GRAPH_ENTRIES, FLASHINFER_PAGED_TEMPLATE,
        CACHE, SGL_KERNEL_STUB_DIR, REPO_ROOT, CPU_ENGINE)

@@ -223,6 +223,18 @@ def _save_checkpoint(runtime, ctx, hidden_states, residual) -> None:
         runtime.checkpoint.save(slots, hidden_states, residual)
 
 
+def query_rows(attn: nn.Module, q: torch.Tensor, q_rope=None) -> torch.Tensor:
+    """The attention's queries, a row per token of all its heads' query vectors as its logits
+    read them (Gemma 3 passes [1, n, H, D]). MLA's absorbed form on a backend that takes the
+    RoPE part apart (FA3) passes the latent part as `q` and the RoPE part as `q_rope`: rejoined
+    here, in the order of the pool's latent-then-RoPE keys."""
+    heads = attn.tp_q_head_num
+    if q_rope is not None:
+        q = torch.cat([q.reshape(-1, heads, attn.v_head_dim),
+                       q_rope.reshape(-1, heads, attn.qk_head_dim - attn.v_head_dim)], dim=-1)
+    return q.reshape(-1, heads * attn.qk_head_dim)
+
+
 def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
     """Drop right after the layer's attention; where the layer runs in pieces (never the first
     drop layer), after the last piece's."""
@@ -230,7 +242,7 @@ def _wrap_drop_attention(attn: nn.Module, runtime, first_drop: bool) -> None:
 
     @functools.wraps(original)
     def forward(q, k, v, forward_batch, *args, **kwargs):
-        q_rows = q.reshape(-1, attn.tp_q_head_num * attn.qk_head_dim)  # Gemma 3: [1, n, H, D]
+        q_rows = query_rows(attn, q, kwargs.get("q_rope"))
         if first_drop and not torch.compiler.is_compiling():
             saving = _checkpointing(runtime, drop_context(forward_batch), forward_batch)
             # The norm hook of this layer saves with this batch's slots.

@@ -62,6 +62,16 @@ def _on_cuda(device) -> bool:
     return torch.cuda.is_available()
 
 
+def _sglangs_attention_backend(server_args) -> Optional[str]:
+    """The attention backend SGLang picks given none (None: its rule needs what these args
+    cannot give yet)."""
+    try:
+        return versions.default_attention_backend(server_args)
+    except Exception as e:
+        logger.info("UniPrefill: SGLang's default attention backend unknown (%s)", e)
+        return None
+
+
 @versions.seal_server_args
 class UniPrefillServerArgs(ServerArgs):
     enable_uniprefill: A[
@@ -256,9 +266,10 @@ class UniPrefillServerArgs(ServerArgs):
         decode runs on FlashInfer, whose adapter holds the per-stage decode views and decode
         CUDA graphs (backends/fa3.py), or on Triton for a model SGLang will not serve on
         FlashInfer (gpt-oss). Elsewhere the default is FlashInfer (Triton for such a model). A
-        family served on named backends only (DeepSeek's MLA: Triton) keeps SGLang's pick
-        untouched: moving it to a backend whose prefill may be slower is the user's choice
-        (its requests run dense elsewhere, the reason naming the flag)."""
+        family served on named backends only (DeepSeek's MLA: Triton, FA3 prefill as a preview)
+        keeps SGLang's pick: moving it to a backend whose prefill may be slower is the user's
+        choice (its requests run dense elsewhere, the reason naming the flag); on FA3 prefill
+        it decodes on Triton, whose adapter serves its per-stage decode views."""
         given = (self.attention_backend, self.prefill_attention_backend,
                  self.decode_attention_backend)
         if self.decode_attention_backend == "fa3":
@@ -268,19 +279,26 @@ class UniPrefillServerArgs(ServerArgs):
         arch = architecture_entry(facts.architectures) if facts is not None else None
         flashinfer = arch is None or arch.flashinfer
         if arch is not None and arch.attention_backends:
+            served = arch.served_backends()
             if given == (None, None, None):
-                logger.info("UniPrefill: %s is served on --attention-backend %s only; "
-                            "SGLang's own pick runs it dense", ", ".join(facts.architectures),
-                            " or ".join(sorted(arch.attention_backends)))
+                picked = _sglangs_attention_backend(self)
+                if picked not in served:
+                    logger.info("UniPrefill: %s is served on --attention-backend %s only; "
+                                "SGLang's own pick (%s) runs it dense",
+                                ", ".join(facts.architectures), " or ".join(sorted(served)),
+                                picked)
+                    return
+                self.attention_backend = picked
+            if ("fa3" in served and "fa3" in (self.attention_backend,
+                                              self.prefill_attention_backend)
+                    and self.decode_attention_backend is None):
+                self.decode_attention_backend = "triton"
+                logger.info("UniPrefill: prefill attention on fa3, decode on triton")
             return
         if given == (None, None, None):
             plain = facts is not None and set(arch_table.layer_kinds(
                 facts.layer_types, facts.num_layers)) == {arch_table.FULL_ATTENTION}
-            try:
-                picked = versions.default_attention_backend(self)
-            except Exception as e:  # SGLang's rule needs what these args cannot give yet
-                logger.info("UniPrefill: SGLang's default attention backend unknown (%s)", e)
-                picked = None
+            picked = _sglangs_attention_backend(self)
             if picked == "fa3" and (plain or not flashinfer):
                 self.attention_backend = "fa3"
             else:

@@ -7,14 +7,20 @@ Skipped without CUDA. Run in a pytest process of its own:
 The model is tests/test_deepseek_mla.py's reduced DeepSeek-V2 widened to V2-Lite's attention
 (hidden size 2048, 16 heads, kv_lora_rank 512, 128 + 64 query/key dims, 128 value dims, YaRN
 RoPE) with fewer, smaller MoE layers (4 layers, the first dense; 8 routed experts top-2 and
-2 shared), seeded random weights, in bfloat16. SGLang picks fa3 for MLA on Hopper (FlashInfer's
-MLA backend on Blackwell); neither has a UniPrefill adapter, so a server left on SGLang's pick
-runs it dense, saying why (its reason names `--attention-backend triton`), or refuses to start
-where drop layers were given (tests/test_flags.py); these engines ask for Triton. UniPrefill drops at layers 1 and 2: from layer 1 on every extend runs
-MLA's absorbed form, layers 2 and 3 read the latent KV through their stage's view, decode
-through Triton's CUDA graphs with per-stage views. Whole and chunked at 512:
+2 shared), seeded random weights, in bfloat16. UniPrefill drops at layers 1 and 2: from layer 1
+on every extend runs MLA's absorbed form, layers 2 and 3 read the latent KV through their
+stage's view, decode through Triton's CUDA graphs with per-stage views. Two backends, whole and
+chunked at 512 each:
 
-* the server runs Triton;
+* `triton_*` ask for Triton, where UniPrefill serves MLA;
+* `fa3_*` leave the backend to SGLang (fa3 for MLA on Hopper) with UNIPREFILL_PREVIEW_BACKENDS
+  on, so prefill runs FA3's absorbed MLA through the FA3 adapter's views and decode runs on
+  Triton (without the preview such a server runs the model dense, saying why:
+  tests/test_flags.py).
+
+In each:
+
+* the server runs the backends named above;
 * top-p 1.0 is token-identical to dense in the same engine, decode graphs on;
 * a forced keep drops (no fallback reason) and answers the same batched with another prompt;
 * chunked keeps the same counts as whole and answers alike as far as dense does;
@@ -23,6 +29,7 @@ through Triton's CUDA graphs with per-stage views. Whole and chunked at 512:
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -47,12 +54,15 @@ ENGINE_KWARGS = dict(
     skip_tokenizer_init=True, enable_uniprefill=True, uniprefill_min_prompt_tokens=0,
     uniprefill_drop_layers="1,2", uniprefill_block_size=16, uniprefill_sink_tokens=16,
     uniprefill_last_queries=16, disable_radix_cache=True, dtype="bfloat16", context_length=8192,
-    max_running_requests=8, max_total_tokens=32768, mem_fraction_static=0.3, random_seed=0,
-    log_level="info", attention_backend="triton")
-ENGINES = {  # UniPrefill serves MLA on Triton
-    "triton_whole": dict(chunked_prefill_size=8192),
-    "triton_chunked": dict(chunked_prefill_size=512),
+    max_running_requests=8, max_total_tokens=32768, mem_fraction_static=0.2, random_seed=0,
+    log_level="info")
+ENGINES = {  # (prefill, decode) backends they run
+    "triton_whole": dict(chunked_prefill_size=8192, attention_backend="triton"),
+    "triton_chunked": dict(chunked_prefill_size=512, attention_backend="triton"),
+    "fa3_whole": dict(chunked_prefill_size=8192),
+    "fa3_chunked": dict(chunked_prefill_size=512),
 }
+BACKENDS = {"triton": ("triton", "triton"), "fa3": ("fa3", "triton")}
 PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
 
@@ -63,8 +73,8 @@ def results():
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
-def test_served_on_triton(results, name):
-    assert results[name]["attention_backend"] == "triton"
+def test_served_on_its_backends(results, name):
+    assert results[name]["backends"] == list(BACKENDS[name.split("_")[0]])
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -77,8 +87,9 @@ def test_forced_keep_drops_and_batches_alike(results, name):
     check_forced_keep(results[name], len(PROMPT), 0.5, no_reason=True)
 
 
-def test_chunked_keeps_and_answers_as_whole(results):
-    check_chunked_as_whole(results["triton_whole"], results["triton_chunked"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_chunked_keeps_and_answers_as_whole(results, backend):
+    check_chunked_as_whole(results[f"{backend}_whole"], results[f"{backend}_chunked"])
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -88,10 +99,14 @@ def test_no_parked_state_or_slot_left(results, name):
 
 def _workload(engine) -> dict:
     res = forced_keep_workload(engine, PROMPT, OTHER)
-    res["attention_backend"] = engine.get_server_info()["attention_backend"]
+    info = engine.get_server_info()
+    prefill = info.get("prefill_attention_backend") or info["attention_backend"]
+    res["backends"] = [prefill, info.get("decode_attention_backend") or prefill]
     return res
 
 
 if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
+    if name.startswith("fa3"):
+        os.environ["UNIPREFILL_PREVIEW_BACKENDS"] = "1"  # the engine's processes inherit it
     serve_and_record(name, ENGINES, ENGINE_KWARGS, model_dir, out_path, _workload, 38000)

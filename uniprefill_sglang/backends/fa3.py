@@ -23,9 +23,19 @@ so a stage's view is each request's valid slots at that stage as one padded row:
   Triton adapter does); a full-attention layer passes its sinks on to FA3 untouched. SGLang's
   separate sliding-window KV pool and chunked-local layers are not served
   (`unsupported_reason`).
+* Multi-head latent attention (DeepSeek-V2/V3, a preview: architectures.py), absorbed form from
+  the first drop layer on (model_integration.py): the model passes the latent (`k`) and its RoPE
+  key (`k_rope`) apart, and FA3 reads both from the one latent KV head through the page table,
+  so a stage's view is the same page table over latent slots; the adapter writes the
+  survivors' latent at their own slots. FA3 runs that form only where the batch is not in the
+  multi-head form's prefix mode (`attn_attend_prefix_cache`), which the layers before the first
+  drop, run in the multi-head form, leave set: every absorbed call clears it for its duration.
+  Decode runs on Triton (server_args.py), whose adapter serves MLA's per-stage decode views.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -55,8 +65,8 @@ class FA3Adapter(StageViewAdapter):
     def unsupported_reason(self, backend):
         if backend.page_size != 1:
             return "FA3 with a page size other than 1"
-        if backend.use_mla:
-            return "FA3 with MLA"
+        if backend.use_mla and backend.token_to_kv_pool.dtype in FP8_DTYPES:
+            return "FA3 with MLA and an fp8 KV cache"
         if backend.use_sliding_window_kv_pool or backend.has_local_attention:
             return "FA3 with a separate sliding-window KV pool or chunked-local attention layers"
         if backend.has_swa and backend.token_to_kv_pool.dtype in FP8_DTYPES:
@@ -115,21 +125,47 @@ def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
     return view
 
 
+@contextlib.contextmanager
+def _absorbed_form(forward_batch):
+    """FA3's MLA path takes the absorbed form while the batch's `attn_attend_prefix_cache` is
+    None (see the module docstring)."""
+    mode = forward_batch.attn_attend_prefix_cache
+    forward_batch.attn_attend_prefix_cache = None
+    try:
+        yield
+    finally:
+        forward_batch.attn_attend_prefix_cache = mode
+
+
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `FlashAttentionBackend.forward_extend`."""
+    if backend.use_mla and kwargs.get("k_rope") is not None:  # MLA's absorbed form
+        with _absorbed_form(forward_batch):
+            return _extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache,
+                           *args, **kwargs)
     sparse = block_sparse.extend_attention(backend.token_to_kv_pool, q, k, v, layer,
                                            forward_batch, save_kv_cache)
     if sparse is not None:
         return sparse
+    return _extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache,
+                   *args, **kwargs)
+
+
+def _extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs):
     runtime, ctx = active_runtime(), drop_context(forward_batch)
     if not extend_needs_view(ctx, runtime, layer):
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
     refuse_unservable_view(ADAPTER, backend, layer, k, v, kwargs)
     stage = runtime.stages.stage(layer.layer_id)
+    k_rope = kwargs.get("k_rope")
     if save_kv_cache:
         slots = ctx.survivors.out_cache_loc[row_piece(ctx).rows]
-        write_kv(backend.token_to_kv_pool, layer, slots, k, v, layer.k_scale, layer.v_scale)
+        if k_rope is not None:
+            backend.token_to_kv_pool.set_mla_kv_buffer(layer, slots, k, k_rope)
+        else:
+            write_kv(backend.token_to_kv_pool, layer, slots, k, v, layer.k_scale,
+                     layer.v_scale)
     window = sliding_window(layer)
     if window is not None:
         return window_extend_attention(runtime, backend.token_to_kv_pool, backend.req_to_token,
@@ -142,8 +178,9 @@ def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cac
     # The prefill graph's output buffer (set by SGLang's attention op, never cleared): FA3 writes
     # into it when it has the survivors' rows; otherwise it is left out and the op copies.
     out = getattr(forward_batch, "_attn_output", None)
+    q_width = layer.qk_head_dim if k_rope is None else layer.v_head_dim  # MLA: the latent part
     if out is not None and (out.numel() // (layer.tp_q_head_num * layer.v_head_dim)
-                            != q.numel() // (layer.tp_q_head_num * layer.qk_head_dim)):
+                            != q.numel() // (layer.tp_q_head_num * q_width)):
         forward_batch._attn_output = None
     try:
         # KV already written above, at the survivors' slots.
