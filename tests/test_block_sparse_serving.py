@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from uniprefill_sglang.backends import block_sparse
-from uniprefill_sglang.config import build_config
+from uniprefill_sglang.config import UniPrefillConfigError, build_config
 from uniprefill_sglang.context import Survivors
 from uniprefill_sglang.kernels import (block_density, block_mask_reference,
                                        block_sparse_attention_reference)
@@ -87,9 +87,9 @@ def _ctx(decisions, fixed_lens, lens):
                                  note=lambda b, why: notes.__setitem__(b, why), notes=notes)
 
 
-def _runtime(config, chunks=None, backend="TorchNativeAttnBackend"):
+def _runtime(config, chunks=None, backend="TorchNativeAttnBackend", latent=False):
     return types.SimpleNamespace(config=config, block_sparse_chunks=chunks or {},
-                                 prefill_backend=backend)
+                                 block_sparse_unserved=block_sparse.unserved_reason(backend, latent))
 
 
 def _decision(rid, block_sparse=("density", 0.3, "pooled", 128), final_chunk=True, reason=None):
@@ -131,6 +131,13 @@ def test_plan_on_a_backend_without_a_path_attends_densely_and_says_why():
     assert step.rules == [None] and step.asked == [True]
     assert "FlashInferAttnBackend has no block-sparse path" in ctx.notes[0]
     assert step.entry(0, _decision("a")) == {"block_sparse_density": 1.0}
+    # Multi-head latent attention (DeepSeek), on any backend.
+    for backend in block_sparse.SERVED_BY:
+        runtime = _runtime(config, backend=backend, latent=True)
+        ctx = _ctx([_decision("a")], [0], [5000])
+        step = block_sparse.plan_step(runtime, ctx)
+        assert step.rules == [None] and "multi-head latent attention" in ctx.notes[0]
+    assert block_sparse.unserved_reason("TritonAttnBackend", False) is None
 
 
 def test_a_failed_block_sparse_forward_is_ours_and_its_dense_rerun_attends_densely():
@@ -148,3 +155,18 @@ def test_a_failed_block_sparse_forward_is_ours_and_its_dense_rerun_attends_dense
         top_p=None, keep_ratio=None, block_size=64, sink_tokens=128, last_queries=128,
         drop_layers=None, min_prompt_tokens=0, block_sparse_density=0.3)),
         _ctx(dense.decisions, [0, 0], [4096, 4096]))
+
+
+def test_the_server_flags_are_refused_for_multi_head_latent_attention():
+    from uniprefill_sglang.schedule import ModelFacts
+    from uniprefill_sglang.server_args import UniPrefillServerArgs
+
+    args = types.SimpleNamespace(attention_backend="triton", prefill_attention_backend=None,
+                                 kv_cache_dtype="auto")
+    UniPrefillServerArgs._check_block_sparse_backend(args)  # served
+    llama = ModelFacts(("LlamaForCausalLM",), 4, 64, None, frozenset())
+    UniPrefillServerArgs._check_block_sparse_backend(args, llama)
+    deepseek = ModelFacts(("DeepseekV2ForCausalLM",), 4, 64, None, frozenset())
+    with pytest.raises(UniPrefillConfigError, match="DeepseekV2ForCausalLM's multi-head latent "
+                                                    "attention has no block-sparse path"):
+        UniPrefillServerArgs._check_block_sparse_backend(args, deepseek)

@@ -23,6 +23,8 @@ latent pool through their stage's view. One engine chunking at 128 tokens serves
   one gets the dropped tokens back, both answering token for token as dense on an empty cache;
   under `reuse-sparse` both read the latent KV the cache holds, and top-p 1.0 answers as dense
   over that same cache;
+* a request asking for block-sparse attention attends densely, saying why (MLA has no
+  block-sparse path), and answers as dense;
 * nothing is left parked, no request, private prefix slot or KV slot held (host KV lengths
   checked against the device at every drop and decode step, UNIPREFILL_CHECK_KV_LENS).
 
@@ -122,6 +124,9 @@ def _on_an_empty_cache(engine, prompts) -> dict:
 def _v2_requests(engine) -> dict:
     out = _on_an_empty_cache(engine, PROMPTS)
     flush_cache(engine)
+    out["short", "block-sparse"] = _generate(engine, SHORT, dict(
+        KNOBS["full"], uniprefill_block_sparse_density=0.3))
+    flush_cache(engine)
     out["follow-up", "empty cache"] = _generate(engine, FOLLOW_UP, KNOBS["dense"])
     for policy in PREFIX_POLICIES:
         for knob in ("full", "dense"):
@@ -173,6 +178,14 @@ def test_a_keep_ratio_drops_and_answers(request, model, prompt):
     assert kept[0] == len(PROMPTS[prompt]) and kept[1] < 0.75 * kept[0], kept
     assert kept[2] < kept[1], kept
     assert len(runs[prompt, "forced"]["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_block_sparse_attention_is_refused_per_request_saying_why(v2):
+    out = v2["short", "block-sparse"]
+    meta = _last(out)
+    assert "multi-head latent attention has no block-sparse path" in meta["reason"], meta
+    assert meta["block_sparse_density"] == 1.0, meta
+    assert out["output_ids"] == v2["short", "dense"]["output_ids"]
 
 
 def test_the_long_prompt_ran_chunked_and_rejoined_in_pieces(v2):

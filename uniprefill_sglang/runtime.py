@@ -96,10 +96,10 @@ class UniPrefillRuntime:
         # Entries of the decode graphs' per-stage index lists (backends/common.py
         # `decode_graph_entries`; None: none captured).
         self.decode_graph_entries = None
-        # Block-sparse attention (backends/block_sparse.py): the prefill attention backend's
-        # class name (set with the runtime), and per rid the (kept, causal) block pairs of a
-        # chunked prompt's chunks so far.
-        self.prefill_backend = None
+        # Block-sparse attention (backends/block_sparse.py): why this server attends densely
+        # where a request asks for it (None: it does not; set with the runtime), and per rid the
+        # (kept, causal) block pairs of a chunked prompt's chunks so far.
+        self.block_sparse_unserved = None
         self.block_sparse_chunks = {}
 
     @property

@@ -256,7 +256,7 @@ class UniPrefillServerArgs(ServerArgs):
         # ... and again for what SGLang's resolution chose (a page size, a backend).
         resolved = versions.resolved(self)
         self._check_uniprefill_modes(resolved)
-        self._check_uniprefill_backend(resolved)
+        self._check_uniprefill_backend(resolved, facts)
         self._check_uniprefill_model(facts, resolved)
 
     def _choose_gpu_attention_backends(self, facts: Optional[ModelFacts]):
@@ -392,9 +392,9 @@ class UniPrefillServerArgs(ServerArgs):
                 "cannot read as keys (supported: auto, bf16/bfloat16, fp8_e4m3, fp8_e5m2)"
             )
 
-    def _check_uniprefill_backend(self, args):
+    def _check_uniprefill_backend(self, args, facts: Optional[ModelFacts] = None):
         if self.uniprefill_config().block_sparse:
-            self._check_block_sparse_backend(args)
+            self._check_block_sparse_backend(args, facts)
         for flag, value in (
             ("--attention-backend", args.attention_backend),
             ("--prefill-attention-backend", args.prefill_attention_backend),
@@ -407,9 +407,16 @@ class UniPrefillServerArgs(ServerArgs):
                 )
 
     @staticmethod
-    def _check_block_sparse_backend(args):
+    def _check_block_sparse_backend(args, facts: Optional[ModelFacts] = None):
         """Block-sparse attention runs where the prefill backend has a path for it
-        (backends/block_sparse.py), over KV kept in the model's dtype."""
+        (backends/block_sparse.py), over KV kept in the model's dtype, on models without
+        multi-head latent attention."""
+        arch = architecture_entry(facts.architectures) if facts is not None else None
+        if arch is not None and arch.shape.latent_attention:
+            raise UniPrefillConfigError(
+                "--uniprefill-block-sparse-density / --uniprefill-block-sparse-top-p: "
+                f"{', '.join(facts.architectures)}'s multi-head latent attention has no "
+                "block-sparse path")
         flag, backend = (("--prefill-attention-backend", args.prefill_attention_backend)
                          if args.prefill_attention_backend else
                          ("--attention-backend", args.attention_backend))

@@ -20,7 +20,8 @@ whole prompt computes (given block-aligned prefixes, as the radix cache may not 
 
 Dense stays: sliding-window layers, soft-capped logits (the kernel has no cap), cross
 attention, a request with fewer keys in the step than `--uniprefill-block-sparse-min-tokens`,
-and every request on a prefill backend without a path (its `meta_info` says why). In a call
+and every request on a prefill backend without a path or of a model with multi-head latent
+attention (its `meta_info` says why; the server flags are refused at start-up there). In a call
 where some request runs block-sparse, the others attend here too, over every causal block.
 
 Per request the step tallies the kept and the causal (KV head, query block, key block) pairs
@@ -97,20 +98,31 @@ def runs_in(ctx, runtime) -> bool:
     return step is not None and any(step.rules)
 
 
+def unserved_reason(prefill_backend: str, latent_attention: bool) -> Optional[str]:
+    """Why a server attends densely where a request asks for block-sparse attention (None: it
+    does not). `prefill_backend`: the class name of its prefill attention backend. Multi-head
+    latent attention's layers before the first drop run the multi-head form over keys that
+    the latent pool does not hold, and its absorbed form has no block-sparse path."""
+    if latent_attention:
+        return "multi-head latent attention has no block-sparse path"
+    if prefill_backend not in SERVED_BY:
+        return f"the prefill backend {prefill_backend} has no block-sparse path"
+    return None
+
+
 def plan_step(runtime, ctx) -> Optional[BlockSparseStep]:
     """The forward's plan, or None where no request asks for block-sparse attention."""
     if ctx.plan is None or not ctx.plan.any_block_sparse:
         return None
     decisions = ctx.plan.decisions
     config = runtime.config
-    served = runtime.prefill_backend in SERVED_BY
+    unserved = runtime.block_sparse_unserved
     rules, asked, earlier = [], [], []
     for b, d in enumerate(decisions):
         ask = d.block_sparse is not None and d.reason != "decode"
         rule = d.block_sparse if ask else None
-        if ask and not served:
-            ctx.note(b, f"block-sparse attention: the prefill backend {runtime.prefill_backend} "
-                        "has no block-sparse path, attended densely")
+        if ask and unserved is not None:
+            ctx.note(b, f"block-sparse attention: {unserved}, attended densely")
             rule = None
         elif ask and (ctx.survivors.fixed_lens[b] + ctx.survivors.lens[b]
                       < config.block_sparse_min_tokens):
