@@ -34,8 +34,8 @@ def use_hook_check(unresolved_hooks: Callable) -> None:
 
 def _install_runtime(result, model_runner, *args, **kwargs):
     from uniprefill_sglang import model_integration
-    from uniprefill_sglang.backends import (block_sparse, correct_upstream, prepare_views,
-                                            serving_backends)
+    from uniprefill_sglang.backends import (block_sparse, correct_upstream,
+                                            full_attention_prefill, prepare_views)
     from uniprefill_sglang.drop import warm_up
     from uniprefill_sglang.kv_validity import LayerStages
     from uniprefill_sglang.request_plan import log_fallback_once
@@ -65,7 +65,7 @@ def _install_runtime(result, model_runner, *args, **kwargs):
     runtime.dense_reason = schedule.dense_reason
     runtime.piece_rows = max(0, server_args.chunked_prefill_size or 0)
     runtime.block_sparse_unserved = block_sparse.unserved_reason(
-        type(serving_backends(model_runner.attn_backend)[0]).__name__,
+        type(full_attention_prefill(model_runner.attn_backend)).__name__,
         model_runner.use_mla_backend)
     runtime.parking.cost = _rejoin_cost(model_runner, schedule.facts.entry)
     architectures = list(schedule.facts.architectures)

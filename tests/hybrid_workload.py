@@ -6,6 +6,9 @@ mixtures of experts).
   chunking at 128 tokens, the first prompt at the forced keep, at top-p 1.0 and dense (the last
   two with log-probabilities). Each engine's idle state is recorded after its requests. With the
   radix cache on, each request finds it empty, and the idle state is the flushed cache's.
+* `block_sparse_requests` / `assert_block_sparse_over_full_attention` (CPU engine): block-sparse
+  attention at the full-attention layers of a model whose other layers have none, at density
+  1.0 (every causal block: dense's answer) and at 0.3 over a forced keep.
 * `prefix_cache_workload` (CPU engine and GPU, the radix cache on): a cached document and a
   second conversation turn, asked dense and with UniPrefill over the same cached prefix
   (test_hybrid_prefix_cache.py says what each record is for).
@@ -89,6 +92,34 @@ def assert_nothing_left(runs: dict) -> None:
         assert state["parked_requests"] == 0 and state["private_prefix_slots"] == 0
         assert state["free_req_slots"] == state["req_slots"]
         assert state["available_kv_tokens"] == state["max_total_num_tokens"]
+
+
+# The engine flags under which a reduced model's prompts (200-300 tokens) attend block-sparse.
+BLOCK_SPARSE_ENGINE = dict(uniprefill_block_sparse_block_size=16,
+                           uniprefill_block_sparse_min_tokens=16)
+
+
+def block_sparse_requests(engine, prompt: list, greedy: dict, forced: dict) -> dict:
+    """`prompt` asking for block-sparse attention at density 1.0 with top-p 1.0, and at density
+    0.3 over the `forced` keep (an engine started with BLOCK_SPARSE_ENGINE)."""
+    density = "uniprefill_block_sparse_density"
+    return {
+        "block_sparse_all": engine.generate(input_ids=prompt, sampling_params=dict(
+            greedy, custom_params={"uniprefill_top_p": 1.0, density: 1.0})),
+        "block_sparse": engine.generate(input_ids=prompt, sampling_params=dict(
+            forced, custom_params={**forced["custom_params"], density: 0.3}))}
+
+
+def assert_block_sparse_over_full_attention(runs: dict) -> None:
+    """Every causal block answers as dense; density 0.3 is realised over the forced keep, which
+    it leaves as it was, and answers."""
+    meta = runs["block_sparse_all"]["meta_info"]["uniprefill"][-1]
+    assert meta["block_sparse_density"] == 1.0 and meta["reason"] is None, meta
+    assert runs["block_sparse_all"]["output_ids"] == runs["dense"]["output_ids"]
+    meta = runs["block_sparse"]["meta_info"]["uniprefill"][-1]
+    assert 0.3 <= meta["block_sparse_density"] < 0.7 and meta["reason"] is None, meta
+    assert meta["kept_tokens"] == runs["forced"]["meta_info"]["uniprefill"][-1]["kept_tokens"]
+    assert len(runs["block_sparse"]["output_ids"]) == len(runs["forced"]["output_ids"])
 
 
 def prefix_cache_workload(engine, doc: list, question: list, second: list, greedy: dict,

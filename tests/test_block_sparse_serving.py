@@ -170,3 +170,27 @@ def test_the_server_flags_are_refused_for_multi_head_latent_attention():
     with pytest.raises(UniPrefillConfigError, match="DeepseekV2ForCausalLM's multi-head latent "
                                                     "attention has no block-sparse path"):
         UniPrefillServerArgs._check_block_sparse_backend(args, deepseek)
+
+
+def test_the_full_attention_prefill_backend_is_found_inside_the_wrappers():
+    """A hybrid model's wrapper (linear attention or short convolutions) holds the backend of its
+    full-attention layers, itself possibly SGLang's prefill/decode split."""
+    from uniprefill_sglang.backends import full_attention_prefill
+
+    class TritonAttnBackend:
+        pass
+
+    class HybridAttnBackend:  # SGLang's prefill/decode split, by its class name
+        def __init__(self, prefill, decode):
+            self.prefill_backend, self.decode_backend = prefill, decode
+
+    class ShortConvHybridAttnBackend:
+        def __init__(self, full):
+            self.full_attn_backend = full
+
+    triton, other = TritonAttnBackend(), object()
+    assert full_attention_prefill(triton) is triton
+    assert full_attention_prefill(HybridAttnBackend(triton, other)) is triton
+    assert full_attention_prefill(ShortConvHybridAttnBackend(triton)) is triton
+    assert full_attention_prefill(
+        ShortConvHybridAttnBackend(HybridAttnBackend(triton, other))) is triton

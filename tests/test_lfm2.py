@@ -14,13 +14,16 @@ survivors:
 * two prompts batched answer as each alone (the survivors' rows are packed per request).
 * chunked at 128, the conv layers after the rejoin run its rows in pieces of 128, each
   continuing the conv state the one before left (hybrid_workload.assert_mixers_ran_in_pieces).
+* block-sparse attention at its full-attention layers: every causal block answers as dense, a
+  density of 0.3 over the forced keep is realised and answers.
 """
 
 from __future__ import annotations
 
 import pytest
-from hybrid_workload import (assert_mixers_ran_in_pieces, assert_nothing_left, random_prompts,
-                             run_hybrid_workload)
+from hybrid_workload import (BLOCK_SPARSE_ENGINE, assert_block_sparse_over_full_attention,
+                             assert_mixers_ran_in_pieces, assert_nothing_left,
+                             block_sparse_requests, random_prompts, run_hybrid_workload)
 
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
 
@@ -60,8 +63,9 @@ def _engine(model_dir, **kwargs):
 
 @pytest.fixture(scope="module")
 def runs(model_dir):
-    return run_hybrid_workload(lambda **kw: _engine(model_dir, **kw), PROMPT, OTHER, GREEDY,
-                               FORCED)
+    return run_hybrid_workload(
+        lambda **kw: _engine(model_dir, **BLOCK_SPARSE_ENGINE, **kw), PROMPT, OTHER, GREEDY,
+        FORCED, more=lambda engine: block_sparse_requests(engine, PROMPT, GREEDY, FORCED))
 
 
 def _last(out) -> dict:
@@ -102,6 +106,11 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
 @pytest.mark.engine
 def test_conv_layers_after_a_rejoin_run_in_pieces(runs):
     assert_mixers_ran_in_pieces(runs)
+
+
+@pytest.mark.engine
+def test_block_sparse_attention_at_its_full_attention_layers(runs):
+    assert_block_sparse_over_full_attention(runs)
 
 
 @pytest.mark.engine

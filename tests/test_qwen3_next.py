@@ -18,6 +18,8 @@ survivors:
 * chunked at 128, the final chunk's step carries more than 128 rows after the drop, and the GDN
   layer after it runs them in pieces of 128, each continuing the state the one before left: its
   log-probabilities at top-p 1.0 equal dense's under the same chunking.
+* block-sparse attention at its full-attention layers: every causal block answers as dense, a
+  density of 0.3 over the forced keep is realised and answers.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import random
 
 import pytest
 import torch
-from hybrid_workload import (assert_mixers_ran_in_pieces, assert_nothing_left, random_prompts,
-                             run_hybrid_workload)
+from hybrid_workload import (BLOCK_SPARSE_ENGINE, assert_block_sparse_over_full_attention,
+                             assert_mixers_ran_in_pieces, assert_nothing_left,
+                             block_sparse_requests, random_prompts, run_hybrid_workload)
 
 import linear_attention_reference as ref
 from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpreter
@@ -176,8 +179,9 @@ def runs(model_dir):
         # torch.get_device_module().current_device(), which the CPU engine has not: it runs on
         # 0.5.17 (CI's last leg) and on the GPU.
         pytest.skip("SGLang 0.5.23's Qwen3-Next does not build on the CPU engine")
-    return run_hybrid_workload(lambda **kw: _engine(model_dir, **kw), PROMPT, OTHER, GREEDY,
-                               FORCED)
+    return run_hybrid_workload(
+        lambda **kw: _engine(model_dir, **BLOCK_SPARSE_ENGINE, **kw), PROMPT, OTHER, GREEDY,
+        FORCED, more=lambda engine: block_sparse_requests(engine, PROMPT, GREEDY, FORCED))
 
 
 def _last(out) -> dict:
@@ -216,6 +220,11 @@ def test_forced_drop_answers_the_same_chunked_and_batched(runs):
 @pytest.mark.engine
 def test_linear_layers_after_a_rejoin_run_in_pieces(runs):
     assert_mixers_ran_in_pieces(runs)
+
+
+@pytest.mark.engine
+def test_block_sparse_attention_at_its_full_attention_layers(runs):
+    assert_block_sparse_over_full_attention(runs)
 
 
 @pytest.mark.engine

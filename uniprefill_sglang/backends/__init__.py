@@ -21,6 +21,16 @@ def serving_backends(backend) -> List:
     return [backend]
 
 
+def full_attention_prefill(backend):
+    """The backend that runs a server's full-attention layers in prefill: the prefill half of
+    SGLang's prefill/decode split, inside the wrapper of a model with linear-attention or
+    short-convolution layers (Qwen3-Next, LFM2) its full-attention backend."""
+    inner = getattr(backend, "full_attn_backend", None)
+    if inner is not None:
+        return full_attention_prefill(inner)
+    return serving_backends(backend)[0]
+
+
 def _adapter_of(backend):
     for adapter in adapters():
         if adapter.class_name == type(backend).__name__:
