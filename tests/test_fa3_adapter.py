@@ -1,6 +1,6 @@
 """The FA3 adapter's pure parts (its attention runs on Hopper only: tests/gpu/test_backends_gpu.py
-compares it with the reference there): the page table a stage view becomes, and which backends
-a GPU server gets with --enable-uniprefill."""
+compares it with the reference there): the page table a stage view becomes, which backends a
+GPU server gets with --enable-uniprefill, and the batch mode an absorbed MLA call runs FA3 in."""
 
 import random
 from types import SimpleNamespace
@@ -154,3 +154,30 @@ def test_sliding_window_layers_are_served_unless_their_pool_or_an_fp8_cache_is_s
     assert ADAPTER.unsupported_reason(backend(has_swa=False, use_mla=True)) is None
     assert ADAPTER.unsupported_reason(backend(has_swa=False, use_mla=True, token_to_kv_pool=(
         SimpleNamespace(dtype=torch.float8_e4m3fn)))) == "FA3 with MLA and an fp8 KV cache"
+
+
+def test_an_absorbed_mla_call_runs_fa3_outside_the_multi_head_prefix_mode():
+    """The layers before the first drop run DeepSeek's multi-head form, which leaves the batch's
+    `attn_attend_prefix_cache` set; FA3 runs the absorbed form (every layer from the first drop
+    on) only where it is None, so each absorbed call clears it and gives it back. A multi-head
+    call keeps it. No drop context here: the dense path of such a server."""
+    from uniprefill_sglang.backends.fa3 import forward_extend
+
+    seen = []
+
+    def original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs):
+        seen.append((forward_batch.attn_attend_prefix_cache, save_kv_cache, kwargs))
+        return "out"
+
+    backend = SimpleNamespace(use_mla=True, token_to_kv_pool=None)
+    layer = SimpleNamespace(layer_id=1)
+    rope = torch.zeros(2, 1, 4)
+    for mode in (False, True, None):
+        batch = SimpleNamespace(attn_attend_prefix_cache=mode)
+        assert forward_extend(original, backend, "q", "k", "v", layer, batch, True,
+                              q_rope=rope, k_rope=rope) == "out"
+        assert seen[-1][:2] == (None, True) and seen[-1][2]["k_rope"] is rope
+        assert batch.attn_attend_prefix_cache is mode
+    batch = SimpleNamespace(attn_attend_prefix_cache=False)
+    forward_extend(original, backend, "q", "k", None, layer, batch, False)  # the multi-head form
+    assert seen[-1][:2] == (False, False)
