@@ -88,8 +88,9 @@ def _ctx(decisions, fixed_lens, lens):
 
 
 def _runtime(config, chunks=None, backend="TorchNativeAttnBackend", latent=False):
+    unserved = block_sparse.unserved_reason(backend, latent)
     return types.SimpleNamespace(config=config, block_sparse_chunks=chunks or {},
-                                 block_sparse_unserved=block_sparse.unserved_reason(backend, latent))
+                                 block_sparse_unserved=unserved)
 
 
 def _decision(rid, block_sparse=("density", 0.3, "pooled", 128), final_chunk=True, reason=None):
