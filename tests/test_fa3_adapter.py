@@ -156,11 +156,13 @@ def test_sliding_window_layers_are_served_unless_their_pool_or_an_fp8_cache_is_s
         SimpleNamespace(dtype=torch.float8_e4m3fn)))) == "FA3 with MLA and an fp8 KV cache"
 
 
-def test_an_absorbed_mla_call_runs_fa3_outside_the_multi_head_prefix_mode():
+def test_an_absorbed_mla_call_runs_fa3_outside_the_multi_head_prefix_mode(monkeypatch):
     """The layers before the first drop run DeepSeek's multi-head form, which leaves the batch's
     `attn_attend_prefix_cache` set; FA3 runs the absorbed form (every layer from the first drop
     on) only where it is None, so each absorbed call clears it and gives it back. A multi-head
-    call keeps it. No drop context here: the dense path of such a server."""
+    call keeps it, and so does every call where UniPrefill has no drop schedule (no runtime).
+    No drop context here: the dense path of such a server."""
+    from uniprefill_sglang.backends import fa3
     from uniprefill_sglang.backends.fa3 import forward_extend
 
     seen = []
@@ -172,6 +174,10 @@ def test_an_absorbed_mla_call_runs_fa3_outside_the_multi_head_prefix_mode():
     backend = SimpleNamespace(use_mla=True, token_to_kv_pool=None)
     layer = SimpleNamespace(layer_id=1)
     rope = torch.zeros(2, 1, 4)
+    batch = SimpleNamespace(attn_attend_prefix_cache=False)
+    forward_extend(original, backend, "q", "k", "v", layer, batch, True, q_rope=rope, k_rope=rope)
+    assert seen[-1][:2] == (False, True)  # UniPrefill off: upstream's call unchanged
+    monkeypatch.setattr(fa3, "active_runtime", lambda: SimpleNamespace())  # a drop schedule
     for mode in (False, True, None):
         batch = SimpleNamespace(attn_attend_prefix_cache=mode)
         assert forward_extend(original, backend, "q", "k", "v", layer, batch, True,

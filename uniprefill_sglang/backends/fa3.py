@@ -140,7 +140,8 @@ def _absorbed_form(forward_batch):
 def forward_extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True,
                    *args, **kwargs):
     """AROUND `FlashAttentionBackend.forward_extend`."""
-    if backend.use_mla and kwargs.get("k_rope") is not None:  # MLA's absorbed form
+    # MLA's absorbed form, which UniPrefill runs from the first drop layer on.
+    if backend.use_mla and kwargs.get("k_rope") is not None and active_runtime() is not None:
         with _absorbed_form(forward_batch):
             return _extend(original, backend, q, k, v, layer, forward_batch, save_kv_cache,
                            *args, **kwargs)
