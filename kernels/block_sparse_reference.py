@@ -55,7 +55,8 @@ Integration notes (the engine's side, not done here):
   ``block_mask_map`` per KV head, row and column block sizes per head, so a partial first
   query block is a shorter row) or ``BlockSparseAttentionWrapper`` (one BSR layout for every
   head, i.e. the shared mask, and rows of one size, i.e. ``q_offset % B == 0``) fed with
-  ``block_lists_from_mask``'s CSR; ``block_sparse_triton`` is the portable kernel.  Those
+  ``block_lists_from_mask``'s CSR; ``block_sparse_triton`` is the portable kernel (it reads
+  ``block_rows_from_mask``'s padded lists, which need no host sync).  Those
   wrappers gather each row's kept key blocks and apply ``causal`` bottom-right over the
   gathered keys; with blocks aligned on key positions that is the true mask, since a row's
   last gathered block is its diagonal and ends at its last query (bottom-right chunk).  Check
@@ -389,6 +390,24 @@ def block_lists_from_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
     indptr[1:] = torch.cumsum(rows.sum(-1), 0)
     indices = rows.nonzero()[:, 1].to(torch.int32)  # row-major: rows in order, columns ascending
     return indptr, indices
+
+
+def block_rows_from_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mask as padded key-block lists, built on the device without a host sync (the CSR's
+    ``nonzero`` waits for the estimate; in a served forward that stalls every layer).
+
+    Row ``h * R + r`` (mask head ``h``, query block ``r``) owns the slice
+    ``indices[starts[row]:ends[row]]``: its kept key blocks, ascending.  Every row is given
+    ``C`` entries (``starts = row * C``), the kept ones first, so the size is known before the
+    mask is.  Returns (starts, ends int32 ``[H * R]``, indices int32 ``[H * R * C]``)."""
+    if mask.dtype != torch.bool or mask.dim() != 3:
+        raise ValueError(f"mask must be bool [H, R, C], got {mask.dtype} {tuple(mask.shape)}")
+    rows = mask.reshape(mask.shape[0] * mask.shape[1], mask.shape[2])
+    # a stable ascending sort of "dropped" puts each row's kept columns first, in column order
+    order = torch.sort((~rows).to(torch.uint8), dim=-1, stable=True).indices
+    starts = torch.arange(rows.shape[0], dtype=torch.int32, device=mask.device) * rows.shape[1]
+    ends = starts + rows.sum(-1, dtype=torch.int32)
+    return starts, ends, order.to(torch.int32).reshape(-1)
 
 
 def block_sparse_attention_reference(

@@ -2,8 +2,10 @@
 
 The geometry and the mask are block_sparse_reference's: one request's chunk of ``n_q`` queries,
 query ``i`` at key position ``q_offset + i``, blocks of ``block_size`` aligned on key positions,
-a bool mask ``[Hkv or 1, R, C]`` turned into CSR lists by ``block_lists_from_mask`` (row
-``h * R + r``: the kept key blocks of mask head ``h`` for query block ``r``, ascending).
+a bool mask ``[Hkv or 1, R, C]`` turned into key-block lists (row ``h * R + r``: the kept key
+blocks of mask head ``h`` for query block ``r``, ascending, at ``indices[starts[row]:ends[row]]``):
+``block_rows_from_mask``'s padded lists, built without a host sync, or
+``block_lists_from_mask``'s CSR (``starts = indptr[:-1]``, ``ends = indptr[1:]``).
 
 One program per (query block, group of ``HEADS`` query heads of one KV head) loads its
 block's queries once, the heads stacked as one tile of ``HEADS * block_size`` rows (each key
@@ -31,6 +33,7 @@ import triton.language as tl
 from .block_sparse_reference import (
     block_grid,
     block_lists_from_mask,
+    block_rows_from_mask,
     check_block_mask,
     check_qk_shapes,
     check_qkv_shapes,
@@ -40,7 +43,7 @@ from .block_sparse_reference import (
 
 @triton.jit
 def _block_sparse_attention_kernel(
-    Q, K, V, Out, BlockIndptr, BlockIndices,
+    Q, K, V, Out, BlockStarts, BlockEnds, BlockIndices,
     stride_qn, stride_qh, stride_qd,
     stride_kn, stride_kh, stride_kd,
     stride_vn, stride_vh, stride_vd,
@@ -79,8 +82,8 @@ def _block_sparse_attention_kernel(
     acc = tl.zeros([HEADS * BLOCK, BLOCK_DV], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): base-2 softmax
 
-    e0 = tl.load(BlockIndptr + list_row)
-    e1 = tl.load(BlockIndptr + list_row + 1)
+    e0 = tl.load(BlockStarts + list_row)
+    e1 = tl.load(BlockEnds + list_row)
     for e in range(e0, e1):
         c = tl.load(BlockIndices + e)
         kpos = c * BLOCK + tl.arange(0, BLOCK)
@@ -146,6 +149,34 @@ def block_sparse_attention_from_lists(
     num_stages are GPU tuning knobs.
     Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
     """
+    block_indptr = block_indptr.to(torch.int32)
+    return block_sparse_attention_from_rows(
+        q, k, v, block_indptr[:-1], block_indptr[1:], block_indices, mask_heads, block_size,
+        sm_scale, causal=causal, q_offset=q_offset, out=out, num_warps=num_warps,
+        num_stages=num_stages, heads_per_tile=heads_per_tile)
+
+
+def block_sparse_attention_from_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_starts: torch.Tensor,
+    block_ends: torch.Tensor,
+    block_indices: torch.Tensor,
+    mask_heads: int,
+    block_size: int,
+    sm_scale: float,
+    causal: bool = True,
+    q_offset: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    num_warps: Optional[int] = None,
+    num_stages: int = 2,
+    heads_per_tile: Optional[int] = None,
+) -> torch.Tensor:
+    """Block-sparse attention from key-block lists given as each row's slice
+    ``block_indices[block_starts[row]:block_ends[row]]`` (``block_rows_from_mask``; starts and
+    ends ``[mask_heads * R]``); the other arguments and the answer as
+    ``block_sparse_attention_from_lists``.  No host read of a device tensor."""
     n_q, n_k, hq, hkv = check_qkv_shapes(q, k, v)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q, k, v must share one of fp32/fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -155,8 +186,9 @@ def block_sparse_attention_from_lists(
         raise ValueError(f"mask heads must be 1 or the kv heads ({hkv}), got {mask_heads}")
     a0, nr, _ = block_grid(n_q, n_k, block_size, q_offset)
     q_offset = resolve_q_offset(n_q, n_k, q_offset)
-    if block_indptr.numel() != mask_heads * nr + 1:
-        raise ValueError(f"block_indptr must have {mask_heads} * {nr} + 1 entries, got {block_indptr.numel()}")
+    if block_starts.numel() != mask_heads * nr or block_ends.numel() != mask_heads * nr:
+        raise ValueError(f"the lists must have {mask_heads} * {nr} rows, got "
+                         f"{block_starts.numel()} starts and {block_ends.numel()} ends")
     dv = v.shape[2]
     if out is None:
         out = torch.empty((n_q, hq, dv), dtype=q.dtype, device=q.device)
@@ -176,8 +208,12 @@ def block_sparse_attention_from_lists(
         num_warps = 8 if heads_per_tile * block_size >= 128 else 4
     extra = dict(num_warps=num_warps, num_stages=num_stages) if q.device.type == "cuda" else {}
     d = q.shape[2]
+
+    def int32(x):
+        return x.to(torch.int32).contiguous()
+
     _block_sparse_attention_kernel[(nr, hq // heads_per_tile)](
-        q, k, v, out, block_indptr.to(torch.int32).contiguous(), block_indices.to(torch.int32).contiguous(),
+        q, k, v, out, int32(block_starts), int32(block_ends), int32(block_indices),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -204,10 +240,10 @@ def block_sparse_attention_triton(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``block_sparse_attention_reference``'s answer in q's dtype, from the bool mask
-    ``[Hkv or 1, R, C]`` (one host sync to build the lists)."""
+    ``[Hkv or 1, R, C]`` (its padded lists: no host sync)."""
     n_q, n_k, _, hkv = check_qk_shapes(q, k)
     _, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
     check_block_mask(mask, (nr, nc), hkv)
-    indptr, indices = block_lists_from_mask(mask.to(q.device))
-    return block_sparse_attention_from_lists(q, k, v, indptr, indices, mask.shape[0], block_size, sm_scale,
-                                             causal=causal, q_offset=q_offset, out=out)
+    starts, ends, indices = block_rows_from_mask(mask.to(q.device))
+    return block_sparse_attention_from_rows(q, k, v, starts, ends, indices, mask.shape[0], block_size,
+                                            sm_scale, causal=causal, q_offset=q_offset, out=out)

@@ -21,6 +21,7 @@ from uniprefill_sglang.kernels.block_sparse_reference import (  # noqa: E402
     block_lists_from_mask,
     block_mask_reference,
     block_mass_estimate,
+    block_rows_from_mask,
     block_sparse_attention_gathered,
     block_sparse_attention_reference,
     causal_block_pairs,
@@ -578,6 +579,20 @@ def test_block_lists_round_trip():
         assert (cols[1:] > cols[:-1]).all()
         rebuilt[row, cols] = True
     assert torch.equal(rebuilt.reshape(mask.shape), mask)
+
+
+def test_block_rows_hold_the_csr_lists():
+    """The padded lists (no host sync): each row's slice is the CSR row, ascending."""
+    for seed in (2, 3):
+        mask = random_mask(seed, 3, 50, 120, 16, None, p=0.3, keep_diagonal=False)
+        mask[0, 1] = False  # a row that keeps nothing
+        indptr, indices = block_lists_from_mask(mask)
+        starts, ends, padded = block_rows_from_mask(mask)
+        assert starts.dtype == ends.dtype == padded.dtype == torch.int32
+        assert padded.numel() == mask.numel()
+        assert torch.equal(ends - starts, indptr[1:] - indptr[:-1])
+        for row in range(starts.numel()):
+            assert torch.equal(padded[starts[row]:ends[row]], indices[indptr[row]:indptr[row + 1]])
 
 
 # ---------------------------------------------------------------------------
