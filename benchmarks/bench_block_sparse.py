@@ -108,6 +108,7 @@ def main() -> None:
         dense_ms = round(median_ms(dense, args.repeats), 3) if dense is not None else None
         rows.append({"keys": n_k, "queries": n_q, "path": dense_path, "ms": dense_ms})
         print(f"| {n_k} | {dense_path} | - | 1.0 | {dense_ms} | 1.00 | - |")
+        save(args.out, rows, hq, hk, d)
         block_sizes = [int(x) for x in args.block_sizes.split(",")]
         for bs in block_sizes:
             for density in [float(x) for x in args.densities.split(",")]:
@@ -135,6 +136,7 @@ def main() -> None:
                                  "estimate_ms": round(est_ms, 3)})
                     print(f"| {n_k} | triton x{heads or 'd'} | {bs} | {realised:.3f} | {ms:.3f} | "
                           f"{over} | {est_ms:.3f} |")
+                    save(args.out, rows, hq, hk, d)
                 if args.flashinfer == "on" and bs == min(block_sizes):
                     run = flashinfer_bsr(q, k, v, indptr, indices, bs, scale)
                     row = {"keys": n_k, "queries": n_q, "path": "flashinfer BSR (one pattern)",
@@ -154,7 +156,7 @@ def main() -> None:
 
 
 def save(path, rows, hq, hk, d) -> None:
-    """The result so far (written after each key count: a run cut short keeps its rows)."""
+    """The result so far (written after each row: a run cut short keeps its rows)."""
     if path:
         note = f"{torch.cuda.get_device_name()}, bf16, Hq={hq} Hkv={hk} D={d}"
         with open(path, "w") as f:
