@@ -108,32 +108,36 @@ def block_grid(n_q: int, n_k: int, block_size: int, q_offset: Optional[int] = No
     return a0, a_last - a0 + 1, -(-n_k // block_size)
 
 
-def causal_block_pairs(n_q: int, n_k: int, block_size: int, q_offset: Optional[int] = None) -> torch.Tensor:
-    """bool ``[R, C]``: key block ``c`` is causal for query row ``r`` iff ``c <= a0 + r``."""
+def causal_block_pairs(n_q: int, n_k: int, block_size: int, q_offset: Optional[int] = None,
+                       device: Optional[torch.device] = None) -> torch.Tensor:
+    """bool ``[R, C]`` on ``device`` (default the CPU): key block ``c`` is causal for query row
+    ``r`` iff ``c <= a0 + r``.  Built where it is used: a host tensor copied to a device waits
+    for the device's stream first."""
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
-    diag = a0 + torch.arange(nr)
-    return torch.arange(nc)[None, :] <= diag[:, None]
+    diag = a0 + torch.arange(nr, device=device)
+    return torch.arange(nc, device=device)[None, :] <= diag[:, None]
 
 
-def _pool_rows(x: torch.Tensor, first_pos: int, block_size: int, n_blocks: int, first_block: int) -> torch.Tensor:
+def _pool_rows(x: torch.Tensor, first_pos: int, block_size: int, n_blocks: int, first_block: int,
+               dtype: torch.dtype = F64) -> torch.Tensor:
     """Mean of the rows of each block: x ``[n, H, D]`` whose row ``i`` sits at ``first_pos + i``;
-    block ``b`` (``first_block + b`` absolute) -> ``[H, n_blocks, D]`` float64."""
+    block ``b`` (``first_block + b`` absolute) -> ``[H, n_blocks, D]`` in ``dtype``."""
     n, h, d = x.shape
     if first_pos == first_block * block_size and n > 0:
         # Block-aligned rows (the keys, and most chunks): sums over a view, accumulated in
-        # float64 without a float64 copy of x (at 131K keys that copy is 1 GB per layer).
+        # `dtype` without a copy of x in it (at 131K keys a float64 one is 1 GB per layer).
         full = n // block_size
-        sums = torch.zeros(n_blocks, h, d, dtype=F64, device=x.device)
-        sums[:full] = x[:full * block_size].reshape(full, block_size, h, d).sum(1, dtype=F64)
+        sums = torch.zeros(n_blocks, h, d, dtype=dtype, device=x.device)
+        sums[:full] = x[:full * block_size].reshape(full, block_size, h, d).sum(1, dtype=dtype)
         if full * block_size < n:
-            sums[full] = x[full * block_size:].sum(0, dtype=F64)
+            sums[full] = x[full * block_size:].sum(0, dtype=dtype)
         counts = (n - torch.arange(n_blocks, device=x.device) * block_size).clamp(1, block_size)
     else:
         blk = (first_pos + torch.arange(n, device=x.device)) // block_size - first_block
-        sums = torch.zeros(n_blocks, h, d, dtype=F64, device=x.device)
-        sums.index_add_(0, blk, x.to(F64))
+        sums = torch.zeros(n_blocks, h, d, dtype=dtype, device=x.device)
+        sums.index_add_(0, blk, x.to(dtype))
         counts = torch.bincount(blk, minlength=n_blocks).clamp_min(1)
-    return (sums / counts.to(F64)[:, None, None]).transpose(0, 1)
+    return (sums / counts.to(dtype)[:, None, None]).transpose(0, 1)
 
 
 def check_qk_shapes(q: torch.Tensor, k: torch.Tensor) -> Tuple[int, int, int, int]:
@@ -155,29 +159,33 @@ def block_mass_estimate(
     sm_scale: Optional[float] = None,
     q_offset: Optional[int] = None,
     per_kv_head: bool = True,
+    dtype: torch.dtype = F64,
 ) -> torch.Tensor:
     """Estimated attention mass of each key block for each query block (module docstring).
 
-    Returns float64 ``[Hkv or 1, R, C]``; each row sums to 1 over its causal blocks, 0 elsewhere.
+    Returns ``[Hkv or 1, R, C]`` in ``dtype`` (float64 for an oracle; float32 on a GPU, where
+    float64 work runs at a fraction of the rate); each row sums to 1 over its causal blocks, 0
+    elsewhere.
     """
     n_q, n_k, hq, hkv = check_qk_shapes(q, k)
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
     q_offset = resolve_q_offset(n_q, n_k, q_offset)
     if sm_scale is None:
         sm_scale = q.shape[2] ** -0.5
-    pq = _pool_rows(q, q_offset, block_size, nr, a0)  # [Hq, R, D]
-    pk = _pool_rows(k, 0, block_size, nc, 0)  # [Hkv, C, D]
+    pq = _pool_rows(q, q_offset, block_size, nr, a0, dtype)  # [Hq, R, D]
+    pk = _pool_rows(k, 0, block_size, nc, 0, dtype)  # [Hkv, C, D]
     pk = pk.repeat_interleave(hq // hkv, dim=0)  # [Hq, C, D]
     logits = torch.matmul(pq, pk.transpose(1, 2)) * float(sm_scale)  # [Hq, R, C]
 
     # keys of block c a query block may see: up to its last query (the diagonal partly)
-    last_query = torch.clamp((a0 + torch.arange(nr) + 1) * block_size, max=q_offset + n_q) - 1
-    key_start = torch.arange(nc) * block_size
+    dev = logits.device
+    last_query = torch.clamp((a0 + torch.arange(nr, device=dev) + 1) * block_size, max=q_offset + n_q) - 1
+    key_start = torch.arange(nc, device=dev) * block_size
     key_end = torch.clamp(key_start + block_size, max=n_k)
     seen = (torch.minimum(key_end[None, :], last_query[:, None] + 1) - key_start[None, :]).clamp_min(0)
-    causal = causal_block_pairs(n_q, n_k, block_size, q_offset)
-    logits = logits + torch.log(seen.to(F64).clamp_min(1.0)).to(logits.device)
-    logits = logits.masked_fill(~causal.to(logits.device), float("-inf"))
+    causal = causal_block_pairs(n_q, n_k, block_size, q_offset, device=dev)
+    logits = logits + torch.log(seen.to(logits.dtype).clamp_min(1.0))
+    logits = logits.masked_fill(~causal, float("-inf"))
     probs = torch.softmax(logits, dim=-1) if nr else logits.new_zeros(logits.shape)
     if per_kv_head:
         return probs.reshape(hkv, hq // hkv, nr, nc).mean(dim=1)
@@ -233,7 +241,7 @@ def last_query_block_mass(
         col_mass[g].index_add_(1, key_block, probs.sum(1).to(F64))
     col_mass = col_mass.reshape(hq, nc) / m
     col_mass = col_mass.reshape(hkv, group, nc).mean(1) if per_kv_head else col_mass.mean(0, keepdim=True)
-    causal = causal_block_pairs(n_q, n_k, block_size, q_offset).to(q.device)  # [R, C]
+    causal = causal_block_pairs(n_q, n_k, block_size, q_offset, device=q.device)  # [R, C]
     rows = col_mass[:, None, :] * causal  # [H, R, C]
     total = rows.sum(-1, keepdim=True)
     uniform = causal.to(F64) / causal.sum(-1, keepdim=True)
@@ -242,18 +250,19 @@ def last_query_block_mass(
 
 def forced_blocks(
     n_q: int, n_k: int, block_size: int, sink_blocks: int, local_blocks: int, last_blocks: int = 0,
-    q_offset: Optional[int] = None,
+    q_offset: Optional[int] = None, device: Optional[torch.device] = None,
 ) -> torch.Tensor:
-    """bool ``[R, C]``: the blocks kept whatever the estimate (sinks, local, the last rows)."""
+    """bool ``[R, C]`` on ``device`` (default the CPU): the blocks kept whatever the estimate
+    (sinks, local, the last rows)."""
     sink_blocks = _check_int("sink_blocks", sink_blocks, 0)
     local_blocks = _check_int("local_blocks", local_blocks, 1)
     last_blocks = _check_int("last_blocks", last_blocks, 0)
     a0, nr, nc = block_grid(n_q, n_k, block_size, q_offset)
-    causal = causal_block_pairs(n_q, n_k, block_size, q_offset)
-    col = torch.arange(nc)[None, :]
-    diag = (a0 + torch.arange(nr))[:, None]
+    causal = causal_block_pairs(n_q, n_k, block_size, q_offset, device=device)
+    col = torch.arange(nc, device=device)[None, :]
+    diag = (a0 + torch.arange(nr, device=device))[:, None]
     forced = (col < sink_blocks) | (col > diag - local_blocks)
-    forced |= (torch.arange(nr) >= nr - last_blocks)[:, None]
+    forced |= (torch.arange(nr, device=device) >= nr - last_blocks)[:, None]
     return forced & causal
 
 
@@ -281,9 +290,10 @@ def select_blocks(
     forced = (forced.to(device) & causal).expand(h, nr, nc)
     if top_p is not None and float(top_p) >= 1.0:
         return causal.clone()
-    # sort order: forced blocks first, then causal by descending mass, then the future
+    # sort order: forced blocks first, then causal by descending mass, then the future (in
+    # the mass's dtype: a float32 estimate is sorted as float32)
     priority = torch.where(forced, torch.full_like(mass, 3.0),
-                           torch.where(causal, mass.to(F64).clamp(0.0, 1.0), torch.full_like(mass, -1.0)))
+                           torch.where(causal, mass.clamp(0.0, 1.0), torch.full_like(mass, -1.0)))
     order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
     causal_sorted = torch.gather(causal, -1, order)
     if top_p is not None:
@@ -326,22 +336,26 @@ def block_mask_reference(
 
     * ``"pooled"``: ``block_mass_estimate`` (mean-pooled blocks);
     * ``"last_queries"``: ``last_query_block_mass`` over the chunk's last ``last_queries``
-      queries, its logits in ``estimate_dtype``;
+      queries;
     * ``"both"``: the union of the blocks each of the two selects under the same rule.  The
       union, not a mean of the two masses: every row then keeps ``top_p`` of each estimate's
       mass, so it is never less faithful than either alone (a block only the last queries
       attend to keeps its full weight instead of half of it, which a mean could let fall under
       the cut); it costs density, at most the sum of the two (twice ``density`` under the
       fixed-density rule).
+
+    Either estimate works in ``estimate_dtype`` (float64 for an oracle, float32 on a GPU), and
+    every mask is built on q's device.
     """
     n_q, n_k, _, _ = check_qk_shapes(q, k)
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {', '.join(ESTIMATES)}, got {estimate!r}")
-    forced = forced_blocks(n_q, n_k, block_size, sink_blocks, local_blocks, last_blocks, q_offset)
-    causal = causal_block_pairs(n_q, n_k, block_size, q_offset)
+    forced = forced_blocks(n_q, n_k, block_size, sink_blocks, local_blocks, last_blocks, q_offset,
+                           device=q.device)
+    causal = causal_block_pairs(n_q, n_k, block_size, q_offset, device=q.device)
     mask = None
     if estimate in ("pooled", "both"):
-        mass = block_mass_estimate(q, k, block_size, sm_scale, q_offset, per_kv_head)
+        mass = block_mass_estimate(q, k, block_size, sm_scale, q_offset, per_kv_head, estimate_dtype)
         mask = select_blocks(mass, forced, causal, top_p=top_p, density=density)
     if estimate in ("last_queries", "both"):
         mass = last_query_block_mass(q, k, block_size, last_queries, sm_scale, q_offset, per_kv_head,

@@ -509,6 +509,25 @@ def test_last_query_mass_in_float32_is_close_to_float64(seed, shape):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6), float((got - want).abs().max())
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pooled_estimate_in_float32_is_close_to_float64(seed, shape):
+    """The pooled estimate in the accelerator's dtype: within float32's rounding, zero off the
+    causal blocks, and a mask that keeps the float64 one's forced blocks and count per row."""
+    n_q, n_k, hq, hkv, off = shape
+    q, k, _ = make_qkv(seed, n_q, n_k, hq, hkv, d=16, q_scale=3.0)
+    want = block_mass_estimate(q, k, 16, sm_scale=0.4, q_offset=off)
+    got = block_mass_estimate(q, k, 16, sm_scale=0.4, q_offset=off, dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-6), float((got.double() - want).abs().max())
+    kw = dict(q_offset=off, sink_blocks=1, local_blocks=2, density=0.4, sm_scale=0.4)
+    mask32 = block_mask_reference(q, k, 16, estimate_dtype=torch.float32, **kw)
+    mask64 = block_mask_reference(q, k, 16, **kw)
+    forced = forced_blocks(n_q, n_k, 16, 1, 2, q_offset=off)
+    assert torch.equal(mask32.sum(-1), mask64.sum(-1))
+    assert (mask32 >= forced).all() and (mask32 <= causal_block_pairs(n_q, n_k, 16, off)).all()
+
+
 def test_last_query_mass_with_no_queries_and_a_row_without_mass():
     q, k, _ = make_qkv(3, 0, 40, 2, 1)
     assert last_query_block_mass(q, k, 16, 8).shape == (1, 0, 3)
