@@ -95,12 +95,15 @@ def _rejoin_cost(model_runner, architecture):
     from uniprefill_sglang.parking import RejoinCost
     from uniprefill_sglang.stage_pools import slot_bytes_per_layer
 
-    hidden = model_runner.model_config.hidden_size
+    config = model_runner.model_config
+    hidden = config.hidden_size
     mlp = architecture.shape.mlp if architecture is not None else "mlp"
+    tp = max(1, getattr(model_runner, "tp_size", 1))
     return RejoinCost.for_model(
         hidden, query_size(model_runner.model) or hidden,
         max(slot_bytes_per_layer(model_runner.token_to_kv_pool), default=0),
-        model_runner.dtype, model_runner.device, mixer_size=mixer_size(model_runner.model, mlp))
+        model_runner.dtype, model_runner.device, mixer_size=mixer_size(model_runner.model, mlp),
+        q_heads=max(1, config.num_attention_heads // tp), kv_heads=config.get_num_kv_heads(tp))
 
 
 def _check_hooks(model_runner) -> None:

@@ -139,6 +139,41 @@ def test_need_counts_parked_and_rejoining_rows_on_fresh_shapes():
         assert cost.free_bytes() is None  # nothing bounds the CPU engine
 
 
+def test_block_sparse_attention_adds_its_keys_and_estimate_to_the_piece():
+    """A rejoin that attends block-sparse also holds, for one attention call, every key of the
+    stage with its value, the keys pooled per block for every query head (float32) and the
+    estimate per (query block, key block) pair; a dense rejoin is priced as before."""
+    rng = random.Random()
+    for _ in range(20):
+        q_heads = rng.choice((4, 16, 32, 64))
+        kv_heads = rng.choice([h for h in (1, 2, 8) if q_heads % h == 0])
+        head_dim = rng.choice((64, 128))
+        kv = 2 * kv_heads * head_dim * 2
+        cost = RejoinCost.for_model(4096, q_heads * head_dim, kv, torch.bfloat16, device="cpu",
+                                    q_heads=q_heads, kv_heads=kv_heads)
+        rejoin, piece_rows = rng.randrange(1, 200_000), rng.choice((0, 8192))
+        keys, block = rejoin + rng.randrange(0, 50_000), rng.choice((16, 64, 128))
+        piece = min(rejoin, piece_rows) if piece_rows else rejoin
+        key_blocks, query_blocks = -(-keys // block), -(-piece // block)
+        extra = (keys * kv + key_blocks * 4 * q_heads * head_dim
+                 + query_blocks * key_blocks * (12 * q_heads + 36 * kv_heads))
+        dense = cost.count(0, rejoin, piece_rows)
+        assert cost.count(0, rejoin, piece_rows, keys, block) == dense + extra
+        assert cost.count(0, rejoin, piece_rows, keys, 0) == dense
+    # Llama-3.1-8B shape, 131K: the block-sparse price of a rejoin is above the dense one by
+    # about the gathered keys (512 MiB) and the estimate at one 8,192-row piece.
+    cost = RejoinCost.for_model(**LLAMA_8B, device="cpu", q_heads=32, kv_heads=8)
+    extra = cost.count(0, 65_664, CHUNK, 131_000, 64) - cost.count(0, 65_664, CHUNK)
+    assert 0.6 * GiB < extra < 0.8 * GiB
+    lot = _lot(0, q_heads=32, kv_heads=8)
+    dense_need = lot.cost.need(131_000, 65_664, CHUNK)
+    fits_dense = _lot(dense_need + 1, q_heads=32, kv_heads=8)
+    assert fits_dense.reserve("dense", 131_000, 0, 65_664)
+    refused = _lot(dense_need + 1, q_heads=32, kv_heads=8)
+    assert not refused.reserve("sparse", 131_000, 0, 65_664, sparse_block_size=64)
+    assert "GiB of device memory" in refused.refused["sparse"]
+
+
 def test_the_token_budget_is_checked_first_and_the_memory_bound_is_per_request():
     lot = _lot(1 * GiB, max_parked_tokens=4096)
     assert not lot.reserve("long", 8192, 0)

@@ -110,21 +110,24 @@ def start_peak_measure(step: ParkingStep, device) -> None:
 
 
 def rejoin_record(ctx, cost: Optional["RejoinCost"], previous: Optional[dict],
-                  piece_rows: int = 0) -> dict:
+                  piece_rows: int = 0, block_size: int = 0) -> dict:
     """What a rejoining forward (`ctx`, a DropContext) took: its number (counting from 1), rows
     through the first later layer, its attention sublayers run in pieces, what `cost` counts for
-    those rows (headroom and the parked rows, allocated before the step, left out) and, on a GPU
+    those rows (headroom and the parked rows, allocated before the step, left out; block-sparse
+    attention in blocks of `block_size` where a rejoining request asks for it) and, on a GPU
     (where its peak measure started), the bytes allocated above its start at the peak."""
     after_first_drop = ctx.report.kept[min(1, len(ctx.report.kept) - 1)]
-    rows = sum(after_first_drop[b] for b, d in enumerate(ctx.plan.decisions)
-               if d.rid in ctx.parking.finished)
+    rejoined = [(b, d) for b, d in enumerate(ctx.plan.decisions) if d.rid in ctx.parking.finished]
+    rows = sum(after_first_drop[b] for b, _ in rejoined)
+    sparse_keys = max((d.prompt_len for _, d in rejoined if d.block_sparse), default=0)
     peak = None
     if ctx.parking.allocated_at_start is not None:
         peak = int(torch.cuda.max_memory_allocated(ctx.survivors.out_cache_loc.device)
                    - ctx.parking.allocated_at_start)
     return {"number": previous["number"] + 1 if previous else 1, "rows": int(rows),
             "pieced_attention_calls": ctx.pieces.attention_calls, "peak_bytes": peak,
-            "priced_bytes": cost.count(0, rows, piece_rows) if cost is not None else None}
+            "priced_bytes": cost.count(0, rows, piece_rows, sparse_keys, block_size)
+            if cost is not None else None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +155,14 @@ class RejoinCost:
     `piece_rows` rows. Not counted: an MLP's or a mixer's piece (the MLP's intermediate width is
     not read here), which a chunked step of stock SGLang holds as well; `HEADROOM` is what
     covers it.
+    `sparse_*`: where the request attends block-sparse (backends/block_sparse.py), what one of
+    its attention calls holds beyond a piece: every key of the stage gathered with its value
+    (`sparse_key_bytes` a key), the keys pooled per block for every query head in float32
+    (`sparse_key_block_bytes` a key block) and the estimate's masses, sort and block lists per
+    (query block, key block) pair (`sparse_pair_bytes`). Without these, on one H100 (2026-12-07,
+    benchmarks/results/block_sparse/) the block-sparse rows' rejoins peaked 1.54 and 0.76 GB
+    above their price where the dense ones stay within 0.54 GB of it, each with an allocator
+    retry.
     `free_bytes()`: device memory available now, None where nothing bounds it (the CPU engine).
 
     Measured before the attention sublayers ran in pieces (each then took every rejoining row,
@@ -176,32 +187,49 @@ class RejoinCost:
     rejoin_row_bytes: int
     free_bytes: Callable[[], Optional[int]]
     piece_row_bytes: int = 0
+    sparse_key_bytes: int = 0
+    sparse_key_block_bytes: int = 0
+    sparse_pair_bytes: int = 0
     # What a rejoin must leave free beyond its count, as a fraction of it: the count is of
     # allocations at the peak, not of the allocator's blocks around them, nor of an MLP's piece.
     HEADROOM = 0.25
 
     @classmethod
     def for_model(cls, hidden_size: int, query_size: int, kv_row_bytes: int, dtype, device,
-                  mixer_size: int = 0):
-        """`kv_row_bytes`: the K and V of one token in one layer (a piece's k/v projection)."""
+                  mixer_size: int = 0, q_heads: int = 0, kv_heads: int = 0):
+        """`kv_row_bytes`: the K and V of one token in one layer (a piece's k/v projection);
+        `q_heads`, `kv_heads`: this rank's attention heads (0: no block-sparse term)."""
         act = torch.empty((), dtype=dtype).element_size()
         free = _cuda_free_bytes(device) if torch.device(device).type == "cuda" else _no_bound
         attention_row = max(4 * hidden_size, 3 * hidden_size + query_size) * act
         mixer_row = (4 * hidden_size + mixer_size) * act if mixer_size else 0
         return cls(parked_row_bytes=2 * hidden_size * act,
                    rejoin_row_bytes=max(attention_row, mixer_row), free_bytes=free,
-                   piece_row_bytes=(hidden_size + 3 * query_size) * act + kv_row_bytes)
+                   piece_row_bytes=(hidden_size + 3 * query_size) * act + kv_row_bytes,
+                   sparse_key_bytes=kv_row_bytes if q_heads else 0,
+                   sparse_key_block_bytes=4 * query_size if q_heads else 0,
+                   sparse_pair_bytes=12 * q_heads + 36 * kv_heads)
 
-    def count(self, parked_rows: int, rejoin_rows: int, piece_rows: int = 0) -> int:
+    def count(self, parked_rows: int, rejoin_rows: int, piece_rows: int = 0,
+              sparse_keys: int = 0, block_size: int = 0) -> int:
         """Bytes counted for `parked_rows` parked and `rejoin_rows` rejoining in pieces of at
-        most `piece_rows` (0: one piece), headroom left out."""
+        most `piece_rows` (0: one piece), headroom left out; with `sparse_keys`, a block-sparse
+        attention call over that many keys in blocks of `block_size` is added to the piece."""
         piece = min(rejoin_rows, piece_rows) if piece_rows else rejoin_rows
-        return (parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
-                + piece * self.piece_row_bytes)
+        total = (parked_rows * self.parked_row_bytes + rejoin_rows * self.rejoin_row_bytes
+                 + piece * self.piece_row_bytes)
+        if sparse_keys and block_size and piece:
+            key_blocks = -(-sparse_keys // block_size)
+            total += (sparse_keys * self.sparse_key_bytes
+                      + key_blocks * self.sparse_key_block_bytes
+                      + -(-piece // block_size) * key_blocks * self.sparse_pair_bytes)
+        return total
 
-    def need(self, parked_rows: int, rejoin_rows: int, piece_rows: int = 0) -> int:
+    def need(self, parked_rows: int, rejoin_rows: int, piece_rows: int = 0,
+             sparse_keys: int = 0, block_size: int = 0) -> int:
         """`count`, headroom included."""
-        return int(self.count(parked_rows, rejoin_rows, piece_rows) * (1 + self.HEADROOM))
+        return int(self.count(parked_rows, rejoin_rows, piece_rows, sparse_keys, block_size)
+                   * (1 + self.HEADROOM))
 
 
 def _no_bound() -> Optional[int]:
@@ -282,10 +310,11 @@ class ParkingLot:
         return out
 
     def reserve(self, rid: str, prompt_len: int, prefix_len: int,
-                rejoin_rows: Optional[int] = None) -> bool:
+                rejoin_rows: Optional[int] = None, sparse_block_size: int = 0) -> bool:
         """May this non-final chunk park? The first chunk of a request decides for all of them:
         the rest of the prompt must fit `--uniprefill-max-parked-tokens` and the device memory
-        free now, with at most `rejoin_rows` rows rejoining (None: all of them)."""
+        free now, with at most `rejoin_rows` rows rejoining (None: all of them), attending
+        block-sparse over the prompt's keys in blocks of `sparse_block_size` (0: densely)."""
         if rid in self.rows:
             return True
         if rid in self.refused or not self.enabled:
@@ -297,7 +326,8 @@ class ParkingLot:
         free = self.cost.free_bytes() if self.cost is not None else None
         if free is not None:
             need = self.cost.need(rest, rest if rejoin_rows is None else min(rest, rejoin_rows),
-                                  self.piece_rows)
+                                  self.piece_rows, prompt_len if sparse_block_size else 0,
+                                  sparse_block_size)
             if need > free:
                 return self._refuse(rid, f"its rejoin needs {need / 2**30:.1f} GiB of device "
                                          f"memory, {free / 2**30:.1f} GiB is free",
@@ -365,7 +395,8 @@ def parks_here(rt, ctx, b: int, n: int) -> bool:
     of the prompt fits, `ParkingLot.reserve`)? A refused one says why and runs dense."""
     d, fixed_len = ctx.plan.decisions[b], ctx.survivors.fixed_lens[b]
     if n > 0 and rt.parking.reserve(d.rid, d.prompt_len, fixed_len,
-                                    rejoin_bound(rt.config, d, d.prompt_len - fixed_len)):
+                                    rejoin_bound(rt.config, d, d.prompt_len - fixed_len),
+                                    rt.config.block_sparse_block_size if d.block_sparse else 0):
         return True
     if d.rid in rt.parking.refused:
         ctx.note(b, f"non-final chunk, not parked ({rt.parking.refused[d.rid]}): runs dense")

@@ -197,7 +197,8 @@ class UniPrefillRuntime:
             self._record_gaps(ctx)
         if ctx.parking.rejoins:
             self.stats.last_rejoin = rejoin_record(ctx, self.parking.cost,
-                                                   self.stats.last_rejoin, self.piece_rows)
+                                                   self.stats.last_rejoin, self.piece_rows,
+                                                   self.config.block_sparse_block_size)
 
     def abandon_forward(self, ctx: DropContext, give_up_parking: bool = False) -> None:
         """A forward failed in UniPrefill's code: undo what it changed, so that the batch can
