@@ -131,29 +131,14 @@ def block_sparse_attention_from_lists(
     mask_heads: int,
     block_size: int,
     sm_scale: float,
-    causal: bool = True,
-    q_offset: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    num_warps: Optional[int] = None,
-    num_stages: int = 2,
-    heads_per_tile: Optional[int] = None,
+    **options,
 ) -> torch.Tensor:
-    """Block-sparse attention from CSR key-block lists (``block_lists_from_mask``).
-
-    q ``[n_q, Hq, D]``, k ``[n_k, Hkv, D]``, v ``[n_k, Hkv, Dv]`` of one dtype (fp32, fp16,
-    bf16) on one device; ``mask_heads`` is the mask's head count (Hkv or 1); block_indptr int32
-    ``[mask_heads * R + 1]``, block_indices int32 key-block indices < ``ceil(n_k / block_size)``
-    (not checked on the device).  out: optional ``[n_q, Hq, Dv]`` in q's dtype.
-    heads_per_tile: query heads of one KV head per program (a divisor of the group; default
-    as many as make a tile of up to 128 rows); num_warps (default 4, 8 from 128-row tiles) and
-    num_stages are GPU tuning knobs.
-    Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
-    """
+    """Block-sparse attention from CSR key-block lists (``block_lists_from_mask``): block_indptr
+    int32 ``[mask_heads * R + 1]``; the other arguments, ``options`` and the answer as
+    ``block_sparse_attention_from_rows``.  No host read of a device tensor."""
     block_indptr = block_indptr.to(torch.int32)
-    return block_sparse_attention_from_rows(
-        q, k, v, block_indptr[:-1], block_indptr[1:], block_indices, mask_heads, block_size,
-        sm_scale, causal=causal, q_offset=q_offset, out=out, num_warps=num_warps,
-        num_stages=num_stages, heads_per_tile=heads_per_tile)
+    return block_sparse_attention_from_rows(q, k, v, block_indptr[:-1], block_indptr[1:], block_indices,
+                                            mask_heads, block_size, sm_scale, **options)
 
 
 def block_sparse_attention_from_rows(
@@ -174,9 +159,17 @@ def block_sparse_attention_from_rows(
     heads_per_tile: Optional[int] = None,
 ) -> torch.Tensor:
     """Block-sparse attention from key-block lists given as each row's slice
-    ``block_indices[block_starts[row]:block_ends[row]]`` (``block_rows_from_mask``; starts and
-    ends ``[mask_heads * R]``); the other arguments and the answer as
-    ``block_sparse_attention_from_lists``.  No host read of a device tensor."""
+    ``block_indices[block_starts[row]:block_ends[row]]`` (``block_rows_from_mask``).
+
+    q ``[n_q, Hq, D]``, k ``[n_k, Hkv, D]``, v ``[n_k, Hkv, Dv]`` of one dtype (fp32, fp16,
+    bf16) on one device; ``mask_heads`` is the mask's head count (Hkv or 1); block_starts and
+    block_ends int32 ``[mask_heads * R]``, block_indices int32 key-block indices
+    < ``ceil(n_k / block_size)`` (not checked on the device).  out: optional ``[n_q, Hq, Dv]``
+    in q's dtype.  heads_per_tile: query heads of one KV head per program (a divisor of the
+    group; default as many as make a tile of up to 128 rows); num_warps (default 4, 8 from
+    128-row tiles) and num_stages are GPU tuning knobs.
+    Returns ``[n_q, Hq, Dv]`` in q's dtype.  No host read of a device tensor.
+    """
     n_q, n_k, hq, hkv = check_qkv_shapes(q, k, v)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q, k, v must share one of fp32/fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
