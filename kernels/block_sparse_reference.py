@@ -392,14 +392,19 @@ def check_block_mask(mask: torch.Tensor, grid: Tuple[int, int], hkv: Optional[in
         raise ValueError(f"mask heads must be 1 or the kv heads ({hkv}), got {mask.shape[0]}")
 
 
+def _mask_rows(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask ``[H, R, C]`` as its list rows ``[H * R, C]`` (row ``h * R + r``)."""
+    if mask.dtype != torch.bool or mask.dim() != 3:
+        raise ValueError(f"mask must be bool [H, R, C], got {mask.dtype} {tuple(mask.shape)}")
+    return mask.reshape(mask.shape[0] * mask.shape[1], mask.shape[2])
+
+
 def block_lists_from_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The mask as compact key-block lists (CSR, the layout of FlashInfer's BSR ``indptr`` and
     ``indices``): row ``h * R + r`` lists mask head ``h``'s kept key blocks for query block
     ``r`` in ascending order.  Returns (indptr int32 ``[H * R + 1]``, indices int32).
     One host sync (``nonzero``)."""
-    if mask.dtype != torch.bool or mask.dim() != 3:
-        raise ValueError(f"mask must be bool [H, R, C], got {mask.dtype} {tuple(mask.shape)}")
-    rows = mask.reshape(mask.shape[0] * mask.shape[1], mask.shape[2])
+    rows = _mask_rows(mask)
     indptr = torch.zeros(rows.shape[0] + 1, dtype=torch.int32, device=mask.device)
     indptr[1:] = torch.cumsum(rows.sum(-1), 0)
     indices = rows.nonzero()[:, 1].to(torch.int32)  # row-major: rows in order, columns ascending
@@ -414,9 +419,7 @@ def block_rows_from_mask(mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     ``indices[starts[row]:ends[row]]``: its kept key blocks, ascending.  Every row is given
     ``C`` entries (``starts = row * C``), the kept ones first, so the size is known before the
     mask is.  Returns (starts, ends int32 ``[H * R]``, indices int32 ``[H * R * C]``)."""
-    if mask.dtype != torch.bool or mask.dim() != 3:
-        raise ValueError(f"mask must be bool [H, R, C], got {mask.dtype} {tuple(mask.shape)}")
-    rows = mask.reshape(mask.shape[0] * mask.shape[1], mask.shape[2])
+    rows = _mask_rows(mask)
     # a stable ascending sort of "dropped" puts each row's kept columns first, in column order
     order = torch.sort((~rows).to(torch.uint8), dim=-1, stable=True).indices
     starts = torch.arange(rows.shape[0], dtype=torch.int32, device=mask.device) * rows.shape[1]

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from .block_sparse_reference import (
     block_grid,
-    block_lists_from_mask,
     block_rows_from_mask,
     check_block_mask,
     check_qk_shapes,

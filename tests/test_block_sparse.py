@@ -173,12 +173,12 @@ def test_triton_heads_per_tile_same_answer(bst, heads_per_tile):
     for shared in (False, True):
         mask = random_mask(23, 1 if shared else 2, 45, 120, 16, None)
         got = bst.block_sparse_attention_triton(q, k, v, mask, 16, 32 ** -0.5) if heads_per_tile == 4 \
-            else bst.block_sparse_attention_from_lists(q, k, v, *bst.block_lists_from_mask(mask), mask.shape[0],
+            else bst.block_sparse_attention_from_lists(q, k, v, *block_lists_from_mask(mask), mask.shape[0],
                                                        16, 32 ** -0.5, heads_per_tile=heads_per_tile)
         ref = block_sparse_attention_reference(q, k, v, mask, 16, 32 ** -0.5)
         assert_close(got, ref, *TOL[torch.bfloat16])
     with pytest.raises(ValueError, match="heads_per_tile"):
-        bst.block_sparse_attention_from_lists(q, k, v, *bst.block_lists_from_mask(mask), 1, 16, 0.1,
+        bst.block_sparse_attention_from_lists(q, k, v, *block_lists_from_mask(mask), 1, 16, 0.1,
                                               heads_per_tile=3)
 
 
