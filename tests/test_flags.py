@@ -204,14 +204,18 @@ def test_sliding_window_layers_need_an_integration_and_a_backend_that_serve_them
     default = build_config(**DEFAULTS)
     # Gemma 3 on a backend whose adapter has no sliding-window view: dense, saying why.
     reason = unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
-                                             ["torch_native", "fa3"])
+                                             ["torch_native", "trtllm_mha"])
     assert "sliding-window layers" in reason and "torch_native" in reason
-    assert "(not fa3)" in reason
+    assert "(not trtllm_mha)" in reason
     assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
-                              attention_backends=["torch_native", "fa3"]) == ()
-    # torch_native, Triton and FlashInfer all serve them (Gemma-3-270M's default drop: layer 11).
+                              attention_backends=["torch_native", "trtllm_mha"]) == ()
+    # torch_native, Triton, FlashInfer and FA3 all serve them (Gemma-3-270M's default drop:
+    # layer 11); gpt-oss's full-attention drop layer on fa3 (SGLang's pick on Hopper) too.
     assert unsupported_architecture_reason(["Gemma3ForCausalLM"], GEMMA3_LAYER_TYPES,
-                                           ["torch_native", "triton", "flashinfer"]) is None
+                                           ["torch_native", "triton", "flashinfer", "fa3"]) is None
+    assert unsupported_architecture_reason(["GptOssForCausalLM"],
+                                           ["sliding_attention", "full_attention"] * 2,
+                                           ["fa3", "triton"]) is None
     assert validate_for_model(default, ["Gemma3ForCausalLM"], 18, layer_types=GEMMA3_LAYER_TYPES,
                               attention_backends=["torch_native", "triton"]) == (11,)
     # A Llama-shaped decoder configured with sliding-window layers (e.g. Qwen2 with

@@ -27,8 +27,9 @@ SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton", "fa3")
 
 def sliding_window_attention_backends() -> Tuple[str, ...]:
     """Those whose adapter also serves sliding-window layers over the survivors (the window
-    measured in original positions); on the others a model with such layers runs dense."""
-    return ("torch_native", "triton", "flashinfer")
+    measured in original positions; FA3 and Triton through `kernels.positional_attention`); on
+    the others a model with such layers runs dense."""
+    return ("torch_native", "triton", "flashinfer", "fa3")
 
 
 DEFAULT_TOP_P = 0.99
