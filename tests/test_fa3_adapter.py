@@ -187,3 +187,68 @@ def test_an_absorbed_mla_call_runs_fa3_outside_the_multi_head_prefix_mode(monkey
     batch = SimpleNamespace(attn_attend_prefix_cache=False)
     forward_extend(original, backend, "q", "k", None, layer, batch, False)  # the multi-head form
     assert seen[-1][:2] == (False, False)
+
+
+def _follow_up_batch(rng: random.Random, staged: bool):
+    """A dense extend over cached prefixes whose slots hold KV up to a random stage (a
+    follow-up question): every new row runs at every stage."""
+    from uniprefill_sglang.context import DropContext, Survivors
+    from uniprefill_sglang.kv_validity import ForwardKV, SlotStages
+
+    drops, bs, num_slots = rng.randint(1, 4), rng.randint(1, 4), 2048
+    pools = None
+    if staged:  # each later stage keeps a slot's KV at its own index (a permutation per stage)
+        maps = torch.stack([torch.randperm(num_slots) for _ in range(drops)]).to(torch.int32)
+        pools = SimpleNamespace(maps=maps, stage_slots=lambda s, k: maps[k - 1, s.long()])
+    slots = SlotStages(num_slots, drops, "cpu", pools=pools)
+    free = torch.randperm(num_slots).tolist()
+    req_to_token = torch.zeros(bs + 2, 400, dtype=torch.int32)
+    rows = torch.randperm(bs + 2)[:bs]  # the requests' rows of the table
+    new_slots, lens, fixed, prefix_valid = [], [], [], []
+    for b in range(bs):
+        prefix, new = rng.choice((0, rng.randint(1, 200))), rng.randint(1, 60)
+        seq = torch.tensor([free.pop() for _ in range(prefix + new)], dtype=torch.int32)
+        req_to_token[rows[b], : prefix + new] = seq
+        stage = torch.tensor([rng.randint(0, drops) for _ in range(prefix)], dtype=torch.int8)
+        slots.slot_stage[seq[:prefix].to(torch.int64)] = stage
+        new_slots.append(seq[prefix:])
+        lens.append(new)
+        fixed.append(prefix)
+        prefix_valid.append([prefix] + [int((stage >= s).sum()) for s in range(1, drops + 1)])
+    fb = SimpleNamespace(req_pool_indices=rows)
+    ctx = DropContext(plan=None, forward_batch=fb, is_extend=True,
+                      survivors=Survivors(out_cache_loc=torch.cat(new_slots), lens=lens,
+                                          fixed_lens=fixed),
+                      kv=ForwardKV(prefix_valid=prefix_valid, sparse=[True] * bs))
+    runtime = SimpleNamespace(slots=slots, check_kv_lens=True)
+    return runtime, SimpleNamespace(req_to_token=req_to_token), ctx
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_follow_ups_views_built_at_once_equal_the_stage_by_stage_ones(seed):
+    """Where the drop layers do not act, `_extend_view` builds every stage's page table in one
+    pass: the same rows as the per-stage path (`stage_keys`), and as a readable reference (per
+    request, the prefix slots the stage holds, then its new rows)."""
+    from uniprefill_sglang.backends import fa3
+
+    rng = random.Random(seed)
+    runtime, backend, ctx = _follow_up_batch(rng, staged=seed % 3 == 0)
+    at_once = fa3._views_of_unchanged_rows(runtime, backend, ctx)
+    rows = ctx.forward_batch.req_pool_indices
+    assert sorted(at_once) == [(s, None) for s in range(1, runtime.slots.full + 1)]
+    for (stage, _), view in at_once.items():
+        one = fa3._stage_view(runtime, backend, ctx, stage)
+        table, seqlens, cu_q, cu_k, max_q, max_k, _ = view
+        assert table.dtype == torch.int32 and table.is_contiguous()
+        assert torch.equal(seqlens, one[1]) and torch.equal(cu_q, one[2])
+        assert torch.equal(cu_k, one[3]) and (max_q, max_k) == one[4:6]
+        start = 0
+        for b, n in enumerate(ctx.survivors.lens):
+            prefix = backend.req_to_token[rows[b], : ctx.survivors.fixed_lens[b]].to(torch.int64)
+            held = prefix[runtime.slots.slot_stage[prefix] >= stage]
+            new = ctx.survivors.out_cache_loc[start:start + n].to(torch.int64)
+            expected = runtime.slots.pool_slots(torch.cat([held, new]), stage).tolist()
+            count = int(seqlens[b])
+            assert count == len(expected)
+            assert table[b, :count].tolist() == expected == one[0][b, :count].tolist()
+            start += n

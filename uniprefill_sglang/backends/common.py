@@ -205,6 +205,14 @@ def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None, position
     (`fixed_lens` changes only at the first drop, before any later stage runs), and cached on
     the drop context. Under UNIPREFILL_CHECK_KV_LENS the counts are checked against the host's
     `ctx.kv.prefix_valid`, which the plans use."""
+    return tuple(v[stage - 1] for v in prefix_views(runtime, req_to_token, fb, ctx, dtype,
+                                                     positions))
+
+
+def prefix_views(runtime, req_to_token, fb, ctx, dtype=None, positions=False):
+    """`prefix_view` of every later stage at once: `kv_validity.stage_views`'s [D, ...]
+    tensors, row k for stage k + 1 (built at the first call of a forward, cached on the drop
+    context)."""
     cache = view_cache(ctx, "prefix_views")
     views = cache.get((dtype, positions))
     if views is None:
@@ -218,7 +226,7 @@ def prefix_view(runtime, req_to_token, fb, ctx, stage: int, dtype=None, position
                 check_kv_lens(torch.tensor([p[k + 1] for p in ctx.kv.prefix_valid]), counts,
                               f"extend prefix stage {k + 1}")
         cache[(dtype, positions)] = views
-    return tuple(v[stage - 1] for v in views)
+    return views
 
 
 def write_kv(pool, layer, loc, k, v, k_scale=None, v_scale=None) -> None:
@@ -315,12 +323,12 @@ def extend_qo_indptr(ctx, stage: int) -> torch.Tensor:
     key = (stage, ctx.pieces.span)
     qo_indptr = cache.get(key)
     if qo_indptr is None:
-        qo_indptr = _offsets(row_piece(ctx).lens, ctx.forward_batch.req_pool_indices.device)
+        qo_indptr = offsets(row_piece(ctx).lens, ctx.forward_batch.req_pool_indices.device)
         cache[key] = qo_indptr
     return qo_indptr
 
 
-def _offsets(lens: List[int], device) -> torch.Tensor:
+def offsets(lens: List[int], device) -> torch.Tensor:
     """[0, cumsum(lens)] as int64 on the device, from a host list."""
     lens = to_device(lens, torch.int64, device)
     indptr = lens.new_zeros(lens.shape[0] + 1)
@@ -344,7 +352,7 @@ def stage_keys(runtime, req_to_token, ctx, stage: int, through: List[int],
         return indptr, indices, pos
     n_prefix = sum(p[stage] for p in ctx.kv.prefix_valid)  # the host mirror of `counts`
     n_rows = sum(through)
-    rows_indptr = _offsets(through, device)
+    rows_indptr = offsets(through, device)
     kv_indptr = (indptr.to(torch.int64) + rows_indptr).to(indptr.dtype)
     kv_indices = torch.empty(n_prefix + n_rows, dtype=torch.int64, device=device)
     kv_pos = torch.empty_like(kv_indices) if positions else None

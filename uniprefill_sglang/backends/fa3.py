@@ -11,7 +11,10 @@ so a stage's view is each request's valid slots at that stage as one padded row:
   `cache_seqlens` their count. FA3's causal mask is aligned to the bottom right (query i of n
   sees keys up to count - n + i), which is causality in original positions because a request's
   queries are its last keys and both ascend. Views are built once per stage and piece per
-  forward (cached on the drop context), from host-known lengths: no device sync.
+  forward (cached on the drop context), from host-known lengths: no device sync. Where the
+  drop layers do not act (a dense extend over a cached prefix that lacks KV at later stages: a
+  follow-up question), every stage runs the same rows and one pass builds every stage's page
+  table (`_views_of_unchanged_rows`): a short step pays its views on the host.
 * Decode is not served here: with UniPrefill, a server on fa3 decodes on FlashInfer
   (server_args.py sets the decode backend), whose adapter serves per-stage decode views and
   decode CUDA graphs. A decode step that reaches this backend with views needed raises, and
@@ -47,6 +50,8 @@ from uniprefill_sglang.backends.common import (
     extend_needs_view,
     extend_qo_indptr,
     needs_view,
+    offsets,
+    prefix_views,
     refuse_unservable_view,
     row_piece,
     sliding_window,
@@ -57,6 +62,7 @@ from uniprefill_sglang.backends.common import (
 )
 from uniprefill_sglang.context import drop_context
 from uniprefill_sglang.errors import UniPrefillError
+from uniprefill_sglang.kv_validity import segment_ids
 
 
 class FA3Adapter(StageViewAdapter):
@@ -110,6 +116,15 @@ def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
     view = cache.get(key)
     if view is not None:
         return view
+    if not ctx.acts and ctx.pieces.span is None:
+        cache.update(_views_of_unchanged_rows(runtime, backend, ctx))
+    else:
+        cache[key] = _stage_view(runtime, backend, ctx, stage)
+    return cache[key]
+
+
+def _stage_view(runtime, backend, ctx, stage: int) -> tuple:
+    """`_extend_view` of one stage, from its keys (`stage_keys`)."""
     piece = row_piece(ctx)
     through = piece.through
     kv_indptr, kv_indices, _ = stage_keys(runtime, backend.req_to_token, ctx, stage, through)
@@ -121,8 +136,46 @@ def _extend_view(runtime, backend, ctx, stage: int) -> tuple:
             extend_qo_indptr(ctx, stage).to(torch.int32),
             kv_indptr.to(torch.int32),
             max(piece.lens, default=0), width, None)
-    cache[key] = view
     return view
+
+
+def _views_of_unchanged_rows(runtime, backend, ctx) -> dict:
+    """`_extend_view` of every later stage, by stage, for a forward whose rows are the same at
+    every stage (the drop layers do not act): page tables [D, bs, width] filled in one pass,
+    each request's valid prefix at the stage (`prefix_views`) then its rows."""
+    fb = ctx.forward_batch
+    device = fb.req_pool_indices.device
+    counts, indptr, indices = prefix_views(runtime, backend.req_to_token, fb, ctx,
+                                           dtype=torch.int64)
+    lens = ctx.survivors.lens
+    bs, stages = len(lens), counts.shape[0]
+    seqlens = [[p[v + 1] + n for p, n in zip(ctx.kv.prefix_valid, lens)] for v in range(stages)]
+    width = max(1, max(max(row, default=0) for row in seqlens))
+    dump = bs * width  # where the entries past a stage's prefix go
+    tables = torch.zeros(stages, dump + 1, dtype=torch.int32, device=device)
+    counts, indptr = counts.to(torch.int64), indptr.to(torch.int64)
+    n = indices.shape[1] - 1
+    if n:  # prefix entry i of stage v: request b with indptr[v, b] <= i < indptr[v, b + 1]
+        i = torch.arange(n, device=device).expand(stages, n).contiguous()
+        b = torch.searchsorted(indptr[:, 1:].contiguous(), i, right=True)
+        col = i - indptr.gather(1, b.clamp(max=bs - 1))
+        tables.scatter_(1, torch.where(b < bs, b * width + col, dump),
+                        indices[:, :n].to(torch.int32))
+    rows_indptr = offsets(lens, device)
+    n_rows = sum(lens)
+    if n_rows:  # row r of request b lands after b's prefix at every stage
+        b = segment_ids(rows_indptr[1:] - rows_indptr[:-1], n_rows)
+        col = counts[:, b] + (torch.arange(n_rows, device=device) - rows_indptr[b])
+        slots = runtime.slots.pool_slots_after_first(ctx.survivors.out_cache_loc[:n_rows])
+        tables.scatter_(1, b * width + col, slots.to(torch.int32))
+    cache_seqlens = (counts + (rows_indptr[1:] - rows_indptr[:-1])).to(torch.int32)
+    cu_seqlens_k = torch.zeros(stages, bs + 1, dtype=torch.int32, device=device)
+    torch.cumsum(cache_seqlens, 1, out=cu_seqlens_k[:, 1:])
+    cu_seqlens_q = rows_indptr.to(torch.int32)
+    return {(v + 1, None): (tables[v, :dump].view(bs, width), cache_seqlens[v], cu_seqlens_q,
+                            cu_seqlens_k[v], max(lens, default=0), max(seqlens[v], default=0),
+                            None)
+            for v in range(stages)}
 
 
 @contextlib.contextmanager
