@@ -16,6 +16,10 @@ Nothing of size [queries x keys x heads] is materialised:
 
 Key rows are loaded indirectly through ``k_slots``; the causal mask is by
 positions (key j visible to query i iff k_pos[j] <= q_pos[i]).
+
+Any head dim works (e.g. 576 for DeepSeek MLA): the logits of a tile are summed over
+chunks of DC (a power of two <= 128) columns of the head dim (``_tile_logits``); for a
+power-of-two head dim <= 128 there is one chunk and q / k are loaded as whole rows.
 """
 
 from __future__ import annotations
@@ -34,14 +38,46 @@ POISON_SCRATCH = False
 
 
 @triton.jit
+def _load_chunk(RowPtr, ok, stride_d, c, D: tl.constexpr, DC: tl.constexpr):
+    """Columns [c * DC, (c + 1) * DC) of the rows at ``RowPtr`` ([R, 1] pointers); rows
+    with ``ok`` false and columns >= D read as 0."""
+    d = c * DC + tl.arange(0, DC)
+    ptrs = RowPtr + d[None, :] * stride_d
+    mask = ok[:, None]
+    if D % DC != 0:
+        mask = mask & (d[None, :] < D)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_logits(
+    q, k, QRow, KRow, row_ok, k_ok, stride_qd, stride_kd,
+    D: tl.constexpr, DC: tl.constexpr, NUM_DC: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Unscaled logits [ROWS, BLOCK_N] of a tile.  ``q`` / ``k``: chunk 0 of the rows,
+    loaded by the caller (hoisted out of its loop); the other chunks of the head dim
+    (only when NUM_DC > 1) are loaded here from the row pointers QRow / KRow."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC)
+    if NUM_DC > 1:
+        for c in range(1, NUM_DC):
+            qc = _load_chunk(QRow, row_ok, stride_qd, c, D, DC)
+            if UPCAST:
+                qc = qc.to(tl.float32)
+            kc = _load_chunk(KRow, k_ok, stride_kd, c, D, DC)
+            s = tl.dot(qc, tl.trans(kc.to(qc.dtype)), s, input_precision=PREC)
+    return s
+
+
+@triton.jit
 def _score_stats_kernel(
     Q, QPos, QIndptr, K, KSlots, KPos, KIndptr, MPart, LPart,
     stride_qn, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_ps, stride_pn,
     qk_scale, split_len, n_splits, n_kv_heads,
-    G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, NUM_DC: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -60,11 +96,8 @@ def _score_stats_kernel(
     row_ok = rows < n_rows
     qi = q_start + rows // G
     hq = kvh * G + rows % G
-    d = tl.arange(0, D)
-    q = tl.load(
-        Q + qi[:, None].to(tl.int64) * stride_qn + hq[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=row_ok[:, None], other=0.0,
-    )
+    q_row = Q + qi[:, None].to(tl.int64) * stride_qn + hq[:, None] * stride_qh
+    q = _load_chunk(q_row, row_ok, stride_qd, 0, D, DC)
     if UPCAST:
         q = q.to(tl.float32)
     qpos = tl.load(QPos + qi, mask=row_ok, other=0)
@@ -81,11 +114,10 @@ def _score_stats_kernel(
         k_ok = offs < hi
         slot = tl.load(KSlots + offs, mask=k_ok, other=0).to(tl.int64)
         kpos = tl.load(KPos + offs, mask=k_ok, other=0)
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :] * stride_kd,
-            mask=k_ok[:, None], other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
+        k_row = K + slot[:, None] * stride_ks + kvh * stride_kh
+        k = _load_chunk(k_row, k_ok, stride_kd, 0, D, DC)
+        s = _tile_logits(q, k, q_row, k_row, row_ok, k_ok, stride_qd, stride_kd,
+                         D, DC, NUM_DC, PREC, UPCAST) * qk_scale
         vis = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -124,8 +156,8 @@ def _score_accum_kernel(
     stride_ks, stride_kh, stride_kd,
     stride_ln,
     qk_scale, n_kv_heads,
-    G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, NUM_DC: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -141,29 +173,25 @@ def _score_accum_kernel(
     k_ok = offs < k_end
     slot = tl.load(KSlots + offs, mask=k_ok, other=0).to(tl.int64)
     kpos = tl.load(KPos + offs, mask=k_ok, other=0)
-    d = tl.arange(0, D)
     r = tl.arange(0, ROWS)
 
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for kvh in range(n_kv_heads):
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :] * stride_kd,
-            mask=k_ok[:, None], other=0.0,
-        )
+        k_row = K + slot[:, None] * stride_ks + kvh * stride_kh
+        k = _load_chunk(k_row, k_ok, stride_kd, 0, D, DC)
         for r0 in range(0, n_rows, ROWS):
             rows = r0 + r
             row_ok = rows < n_rows
             qi = q_start + rows // G
             hq = kvh * G + rows % G
-            q = tl.load(
-                Q + qi[:, None].to(tl.int64) * stride_qn + hq[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0,
-            )
+            q_row = Q + qi[:, None].to(tl.int64) * stride_qn + hq[:, None] * stride_qh
+            q = _load_chunk(q_row, row_ok, stride_qd, 0, D, DC)
             if UPCAST:
                 q = q.to(tl.float32)
             qpos = tl.load(QPos + qi, mask=row_ok, other=0)
             lse = tl.load(Lse + qi.to(tl.int64) * stride_ln + hq, mask=row_ok, other=float("inf"))
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
+            s = _tile_logits(q, k, q_row, k_row, row_ok, k_ok, stride_qd, stride_kd,
+                             D, DC, NUM_DC, PREC, UPCAST) * qk_scale
             vis = row_ok[:, None] & k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
             # masked logits -> -inf first: exp2(-inf - lse) = 0 even for lse = +inf (no NaN/inf)
             s = tl.where(vis, s, float("-inf"))
@@ -179,6 +207,16 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def _head_dim_chunk(d: int) -> int:
+    """DC, the width of the head-dim chunks: a power of two in [16, 128].  The largest
+    such power of two that divides d (d itself for d = 16..128 a power of two: one
+    chunk), else min(128, next_power_of_2(d)) with the columns >= d masked off."""
+    dc = 128
+    while dc >= 16 and d % dc:
+        dc //= 2
+    return dc if dc >= 16 else max(16, min(128, triton.next_power_of_2(d)))
 
 
 def _max_len(indptr: torch.Tensor) -> int:
@@ -219,7 +257,7 @@ def score_tokens_triton(
     _, hkv, dk = k_cache.shape
     assert d == dk, (d, dk)
     assert hq % hkv == 0, (hq, hkv)
-    assert d >= 16 and (d & (d - 1)) == 0, f"head_dim must be a power of two >= 16, got {d}"
+    assert d >= 1, d
     group = hq // hkv
     nseg = q_indptr.numel() - 1
     assert k_indptr.numel() == nseg + 1, (q_indptr.shape, k_indptr.shape)
@@ -258,6 +296,13 @@ def score_tokens_triton(
     qk_scale = float(sm_scale) * LOG2E
     on_gpu = device.type == "cuda"
 
+    dc = _head_dim_chunk(d)
+    num_dc = triton.cdiv(d, dc)
+
+    # d > 128 keeps d = 128's tiles: the kernels hold at most DC <= 128 columns of a q or
+    # k tile at a time (one hoisted chunk plus the double-buffered loads of the chunk
+    # loop), so registers and shared memory per program stay at d = 128's level; fewer
+    # rows would only re-read K more often (MLA has 16 query heads per kv head).
     rows = rows or (128 if d <= 64 else 64)
     block_n = block_n or 64
     rows2 = rows2 or 64
@@ -294,7 +339,8 @@ def score_tokens_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         nq * hq, hq,
         qk_scale, split_len, n_splits, hkv,
-        G=group, D=d, ROWS=rows, BLOCK_N=block_n, PREC=prec, UPCAST=upcast, **extra,
+        G=group, D=d, DC=dc, NUM_DC=num_dc, ROWS=rows, BLOCK_N=block_n, PREC=prec, UPCAST=upcast,
+        **extra,
     )
 
     # ---- combine splits into a log-sum-exp per (query, head) ----
@@ -313,6 +359,7 @@ def score_tokens_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         hq,
         qk_scale, hkv,
-        G=group, D=d, ROWS=rows2, BLOCK_N=block_n2, PREC=prec, UPCAST=upcast, **extra2,
+        G=group, D=d, DC=dc, NUM_DC=num_dc, ROWS=rows2, BLOCK_N=block_n2, PREC=prec, UPCAST=upcast,
+        **extra2,
     )
     return out

@@ -163,6 +163,47 @@ def test_score_matches_reference(d, hq, hkv, dtype):
     assert_row_mass(got, b)
 
 
+@pytest.mark.parametrize(
+    "d,hq,hkv,dtype",
+    [
+        (576, 16, 1, torch.bfloat16),  # DeepSeek MLA (kv_lora_rank 512 + rope 64): 9 chunks of 64
+        (192, 8, 2, torch.float16),  # 3 chunks of 64
+        (80, 4, 2, torch.bfloat16),  # 5 chunks of 16
+        (48, 6, 2, torch.float32),  # 3 chunks of 16, G = 3, fp32 inputs
+        (200, 4, 1, torch.bfloat16),  # 2 chunks of 128, the last one half masked
+        (20, 4, 2, torch.float16),  # one chunk of 32, columns >= 20 masked
+        (8, 2, 1, torch.float32),  # below tl.dot's minimum K: one chunk of 16, half masked
+    ],
+)
+def test_score_any_head_dim(d, hq, hkv, dtype):
+    """Head dims that are not a power of two >= 16: the head dim is split into chunks."""
+    segs = [(5, 90), (0, 20), (9, 40), (1, 1), (3, 0)]
+    b = make_batch(2000 + d + hq * 7 + hkv, segs, hq, hkv, d, dtype, q_scale=1.5)
+    got = run_scores(b)
+    assert_scores_close(got, oracle_scores(b))
+    assert_row_mass(got, b)
+
+
+def test_score_head_dim_chunks(interp_modules):
+    """Chunk width DC: the whole head dim for a power of two 16..128 (one chunk, today's path)."""
+    st, _ = interp_modules
+    want = {16: (16, 1), 64: (64, 1), 128: (128, 1), 256: (128, 2), 576: (64, 9), 192: (64, 3),
+            80: (16, 5), 48: (16, 3), 96: (32, 3), 200: (128, 2), 20: (32, 1), 8: (16, 1), 1: (16, 1)}
+    got = {d: (st._head_dim_chunk(d), -(-d // st._head_dim_chunk(d))) for d in want}
+    assert got == want
+
+
+def test_score_mla_small_tiles_and_splits(interp_modules):
+    """Head dim 576 with several key tiles, pass-1 splits and row tiles."""
+    st, _ = interp_modules
+    b = make_batch(8, [(4, 70), (0, 9), (2, 33)], 16, 1, 576, torch.bfloat16, q_scale=2.0)
+    ref = oracle_scores(b)
+    for splits in (1, 3):
+        out = torch.full((b["k_slots"].numel(),), float("nan"))
+        got = st.score_tokens_triton(**b, out=out, rows=16, block_n=16, rows2=32, block_n2=32, n_splits=splits)
+        assert_scores_close(got, ref)
+
+
 def test_score_small_tiles_and_splits(interp_modules):
     """Many key tiles, several pass-1 splits, several row tiles per kv head."""
     st, _ = interp_modules

@@ -124,6 +124,8 @@ MIXED = [(128, 4096), (0, 1000), (300, 2500), (1, 1), (128, 9000), (7, 0), (64, 
         (64, 32, 4, torch.float16),  # G = 8, D = 64
         (128, 28, 4, torch.bfloat16),  # G = 7 (Qwen2-7B)
         (128, 16, 2, torch.float32),  # fp32 inputs (ieee dot)
+        (576, 16, 1, torch.bfloat16),  # DeepSeek-V2 MLA (kv_lora_rank 512 + rope 64): 9 head-dim chunks of 64
+        (192, 16, 4, torch.float16),  # not a power of two: 3 head-dim chunks of 64
     ],
 )
 def test_score_matches_reference(d, hq, hkv, dtype):
