@@ -240,6 +240,7 @@ def test_a_follow_ups_views_built_at_once_equal_the_stage_by_stage_ones(seed):
         one = fa3._stage_view(runtime, backend, ctx, stage)
         table, seqlens, cu_q, cu_k, max_q, max_k, _ = view
         assert table.dtype == torch.int32 and table.is_contiguous()
+        assert table.data_ptr() % 64 == 0
         assert torch.equal(seqlens, one[1]) and torch.equal(cu_q, one[2])
         assert torch.equal(cu_k, one[3]) and (max_q, max_k) == one[4:6]
         start = 0

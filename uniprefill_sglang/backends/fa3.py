@@ -152,7 +152,8 @@ def _views_of_unchanged_rows(runtime, backend, ctx) -> dict:
     seqlens = [[p[v + 1] + n for p, n in zip(ctx.kv.prefix_valid, lens)] for v in range(stages)]
     width = max(1, max(max(row, default=0) for row in seqlens))
     dump = bs * width  # where the entries past a stage's prefix go
-    tables = torch.zeros(stages, dump + 1, dtype=torch.int32, device=device)
+    # Each stage's table starts 64-byte aligned, as a table of its own would.
+    tables = torch.zeros(stages, -(-(dump + 1) // 16) * 16, dtype=torch.int32, device=device)
     counts, indptr = counts.to(torch.int64), indptr.to(torch.int64)
     n = indices.shape[1] - 1
     if n:  # prefix entry i of stage v: request b with indptr[v, b] <= i < indptr[v, b + 1]
