@@ -163,13 +163,14 @@ def _views_of_unchanged_rows(runtime, backend, ctx) -> dict:
         tables.scatter_(1, torch.where(b < bs, b * width + col, dump),
                         indices[:, :n].to(torch.int32))
     rows_indptr = offsets(lens, device)
+    row_lens = rows_indptr[1:] - rows_indptr[:-1]
     n_rows = sum(lens)
     if n_rows:  # row r of request b lands after b's prefix at every stage
-        b = segment_ids(rows_indptr[1:] - rows_indptr[:-1], n_rows)
+        b = segment_ids(row_lens, n_rows)
         col = counts[:, b] + (torch.arange(n_rows, device=device) - rows_indptr[b])
         slots = runtime.slots.pool_slots_after_first(ctx.survivors.out_cache_loc[:n_rows])
         tables.scatter_(1, b * width + col, slots.to(torch.int32))
-    cache_seqlens = (counts + (rows_indptr[1:] - rows_indptr[:-1])).to(torch.int32)
+    cache_seqlens = (counts + row_lens).to(torch.int32)
     cu_seqlens_k = torch.zeros(stages, bs + 1, dtype=torch.int32, device=device)
     torch.cumsum(cache_seqlens, 1, out=cu_seqlens_k[:, 1:])
     cu_seqlens_q = rows_indptr.to(torch.int32)
