@@ -447,6 +447,7 @@ def test_server_args_pick_the_profile(smollm2_path, tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.extended
 def test_calibrate_writes_a_profile_an_engine_starts_with(smollm2_path, tmp_path, engine_factory):
     out = tmp_path / "profile.json"
     profile = cal.main([

@@ -17,7 +17,7 @@ import pytest
 
 from uniprefill_sglang.tools.cpu_engine import flush_cache, make_cpu_engine
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 LENGTHS = (1024, 2048, 4096)
 DEPTHS = (0.1, 0.9)

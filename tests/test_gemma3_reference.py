@@ -221,7 +221,8 @@ def _environment(**values):
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module", params=["torch_native", "triton"])
+@pytest.fixture(scope="module",
+                params=["torch_native", pytest.param("triton", marks=pytest.mark.extended)])
 def runs(request, model_dir, model, tmp_path_factory):
     """The workload on one engine per attention backend (Triton's kernels run through Triton's
     interpreter; its sliding-window layers after a drop run `kernels.positional_attention`)."""

@@ -19,7 +19,7 @@ import pytest
 
 from benchmark_script import load_benchmark
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")

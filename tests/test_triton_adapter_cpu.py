@@ -24,6 +24,9 @@ import pytest
 
 from uniprefill_sglang.tools.cpu_engine import idle_state, make_cpu_engine, triton_interpreter
 
+# CI-extended: the Triton adapter runs through the scheduler in CI with gpt-oss and DeepSeek MLA.
+pytestmark = pytest.mark.extended
+
 LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
              hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
