@@ -56,6 +56,7 @@ def test_checker_matches_whole_answers_only(tokenizer):
 
 
 @pytest.mark.engine
+@pytest.mark.extended  # offline tooling end to end; its parts are tested above
 def test_suite_end_to_end_on_the_cpu_engine(tmp_path, tokenizer):
     suite = load_benchmark("eval_suite")
     out = tmp_path / "smoke.json"

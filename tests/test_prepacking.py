@@ -251,6 +251,7 @@ def test_bench_smoke_hf_methods(tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.extended  # the baseline's benchmark end to end (offline tooling)
 def test_bench_smoke_all_methods(tmp_path):
     """Every method, SGLang's CPU engine included (one engine start)."""
     res = _run_bench(tmp_path)
