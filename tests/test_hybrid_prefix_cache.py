@@ -39,8 +39,9 @@ from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpret
 # The switch is experimental and written for 0.5.17's UnifiedRadixCache with a state component
 # (README: tested on 0.5.17 only), and 0.5.23's Qwen3-Next does not build on the CPU engine:
 # CI runs this module in its 0.5.17 leg.
-pytestmark = pytest.mark.skipif(not versions.applies("<0.5.23"),
-                                reason="UNIPREFILL_HYBRID_PREFIX_CACHE is tested on SGLang 0.5.17")
+pytestmark = [pytest.mark.extended,  # an experimental opt-in: CI-extended
+              pytest.mark.skipif(not versions.applies("<0.5.23"),
+                                reason="UNIPREFILL_HYBRID_PREFIX_CACHE is tested on SGLang 0.5.17")]
 
 FLAGS = {"UNIPREFILL_HYBRID_PREFIX_CACHE": "1", "UNIPREFILL_CHECK_KV_LENS": "1"}
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8}
