@@ -151,7 +151,8 @@ def v3(tmp_path_factory):
 # (model, prompt) served on an empty cache with every knob.
 # DeepSeek-V3 runs the same MLA path as V2 with a different router: a CI-extended case.
 V3 = pytest.param("v3", marks=pytest.mark.extended)
-SERVED = [("v2", "long"), ("v2", "short"), pytest.param("v3", "short", marks=pytest.mark.extended)]
+SERVED = [("v2", "long"), ("v2", "short"),
+          pytest.param("v3", "short", marks=pytest.mark.extended)]
 
 
 @pytest.mark.parametrize("model", ["v2", V3])

@@ -38,7 +38,7 @@ from uniprefill_sglang.tools.cpu_engine import make_cpu_engine, triton_interpret
 
 # The switch is experimental and written for 0.5.17's UnifiedRadixCache with a state component
 # (README: tested on 0.5.17 only), and 0.5.23's Qwen3-Next does not build on the CPU engine:
-# CI runs this module in its 0.5.17 leg.
+# CI's 0.5.17 leg runs this module when extended tests are asked for (UNIPREFILL_CI_EXTENDED=1).
 pytestmark = [pytest.mark.extended,  # an experimental opt-in: CI-extended
               pytest.mark.skipif(not versions.applies("<0.5.23"),
                                 reason="UNIPREFILL_HYBRID_PREFIX_CACHE is tested on SGLang 0.5.17")]
