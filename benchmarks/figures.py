@@ -140,19 +140,13 @@ def headline_text(model: str) -> Callable[[dict], str]:
 
 
 LENGTHS = ("8192", "32768", "65536", "131000")
-STOCK_FILE = "defaults/defaults_fa3_adapter_a_h200.json"
-TOP_P_KEEP_FILE = "defaults/defaults_fa3_adapter_b_h200.json"
+# One run of benchmarks/defaults.py: every configuration and workload, one machine.
+DEFAULTS_FILE = "defaults/defaults_item4_h100.json"
 
 
 def _row(result: dict, config: str) -> dict:
     (row,) = [r for r in result["rows"] if r["config"] == config]
     return row
-
-
-@functools.lru_cache(maxsize=None)
-def stock_single() -> dict:
-    stock = json.loads((RESULTS / STOCK_FILE).read_text())
-    return _row(stock, "stock")["single"]
 
 
 def _backends(chose: dict) -> str:
@@ -163,36 +157,70 @@ def _backends(chose: dict) -> str:
 
 
 def defaults_row(config: str, label: str) -> Callable[[dict], str]:
-    """One row of the summary's defaults table: the backends as SGLang chose them, the median
-    time to first token per length, stock (SGLang's pick) over it from 32K on, and the share of
-    the 131K prompt left after its last drop."""
+    """One row of the summary's single-request table: the backends as SGLang chose them, the
+    median time to first token per length, stock's (SGLang's pick, same file) over it, and
+    the share of the 131K prompt left after its last drop."""
     def derive(result: dict) -> str:
-        row = _row(result, config)
-        single = row["single"]
+        single, stock = _row(result, config)["single"], _row(result, "stock")["single"]
         times = " / ".join(f"{single[n]['ttft_s']:.3f}" for n in LENGTHS[:2]) + " / " + \
             " / ".join(f"{single[n]['ttft_s']:.2f}" for n in LENGTHS[2:])
         kept = single["131000"].get("kept_tokens")
         share = f"{kept[-1] / kept[0]:.0%}" if kept else "–"
-        speedups = " / ".join(f"{stock_single()[n]['ttft_s'] / single[n]['ttft_s']:.2f}x"
-                              for n in LENGTHS[1:])
-        return (f"| {label} | {_backends(row['sglang_chose'])} | {times} s | {speedups} | "
-                f"{share} |")
+        speedups = " / ".join(f"{stock[n]['ttft_s'] / single[n]['ttft_s']:.2f}x"
+                              for n in LENGTHS)
+        return (f"| {label} | {_backends(_row(result, config)['sglang_chose'])} | {times} s | "
+                f"{speedups} | {share} |")
     return derive
 
 
-# The summary's defaults table, row by row: (result file, configuration, its label, the row as
-# the summary prints it).
+# The other workloads, as (how a row's value is read, how the summary prints it).
+WORKLOAD_CELLS = (
+    (lambda r: r["short_batch"]["median_s"], "{:.3f} s"),
+    (lambda r: r["mid_batch"]["seconds"], "{:.3f} s"),
+    (lambda r: r["follow_ups"]["32768"]["median_s"] * 1e3, "{:.1f} ms"),
+    (lambda r: r["follow_ups"]["65536"]["median_s"] * 1e3, "{:.1f} ms"),
+    (lambda r: r["decode_itl_ms"], "{:.2f} ms"),
+)
+
+
+def workloads_row(config: str, label: str) -> Callable[[dict], str]:
+    """One row of the summary's workload table: each workload's time, with stock's time over
+    it in brackets (above 1: faster than stock), and the KV capacity at start-up."""
+    def derive(result: dict) -> str:
+        row, stock = _row(result, config), _row(result, "stock")
+        cells = []
+        for value, form in WORKLOAD_CELLS:
+            mine = value(row)
+            text = form.format(mine)
+            cells.append(text if config == "stock" else f"{text} ({value(stock) / mine:.2f}x)")
+        return f"| {label} | {' | '.join(cells)} | {row['max_total_num_tokens']:,} |"
+    return derive
+
+
+# The summary's tables, row by row: (configuration, its label, the row as the summary prints it).
 DEFAULTS_TABLE = (
-    (STOCK_FILE, "stock", "stock, no backend flag",
-     "| stock, no backend flag | fa3 | 0.346 / 1.194 / 3.31 / 10.33 s | 1.00x / 1.00x / 1.00x | – |"),
-    (TOP_P_KEEP_FILE, "stock_flashinfer", "stock, `--attention-backend flashinfer`",
-     "| stock, `--attention-backend flashinfer` | flashinfer | 0.217 / 1.455 / 4.41 / 14.95 s | 0.82x / 0.75x / 0.69x | – |"),
-    (STOCK_FILE, "defaults", "`--enable-uniprefill`",
-     "| `--enable-uniprefill` | fa3 / flashinfer | 0.213 / 1.214 / 3.30 / 10.08 s | 0.98x / 1.00x / 1.03x | 95% |"),
-    (TOP_P_KEEP_FILE, "top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`",
-     "| `--enable-uniprefill --uniprefill-top-p 0.6` | fa3 / flashinfer | 0.103 / 0.480 / 1.24 / 3.69 s | 2.49x / 2.66x / 2.80x | 5% |"),
-    (TOP_P_KEEP_FILE, "keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
-     "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | fa3 / flashinfer | 0.115 / 0.524 / 1.36 / 3.93 s | 2.28x / 2.44x / 2.63x | 17% |"),
+    ("stock", "stock, no backend flag",
+     "| stock, no backend flag | fa3 | 0.222 / 1.207 / 3.34 / 10.41 s | 1.00x / 1.00x / 1.00x / 1.00x | – |"),
+    ("stock_flashinfer", "stock, `--attention-backend flashinfer`",
+     "| stock, `--attention-backend flashinfer` | flashinfer | 0.227 / 1.485 / 4.50 / 15.18 s | 0.98x / 0.81x / 0.74x / 0.69x | – |"),
+    ("defaults", "`--enable-uniprefill`",
+     "| `--enable-uniprefill` | fa3 / flashinfer | 0.225 / 1.241 / 3.36 / 10.26 s | 0.99x / 0.97x / 0.99x / 1.01x | 95% |"),
+    ("top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`",
+     "| `--enable-uniprefill --uniprefill-top-p 0.6` | fa3 / flashinfer | 0.113 / 0.501 / 1.28 / 3.75 s | 1.96x / 2.41x / 2.60x / 2.77x | 5% |"),
+    ("keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
+     "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | fa3 / flashinfer | 0.122 / 0.547 / 1.39 / 4.03 s | 1.81x / 2.21x / 2.40x / 2.58x | 17% |"),
+)
+WORKLOADS_TABLE = (
+    ("stock", "stock, no backend flag",
+     "| stock, no backend flag | 0.958 s | 1.659 s | 25.0 ms | 30.0 ms | 6.53 ms | 410,620 |"),
+    ("stock_flashinfer", "stock, `--attention-backend flashinfer`",
+     "| stock, `--attention-backend flashinfer` | 0.995 s (0.96x) | 1.761 s (0.94x) | 33.5 ms (0.75x) | 34.8 ms (0.86x) | 6.57 ms (1.00x) | 410,620 |"),
+    ("defaults", "`--enable-uniprefill`",
+     "| `--enable-uniprefill` | 0.973 s (0.99x) | 1.770 s (0.94x) | 30.9 ms (0.81x) | 31.5 ms (0.95x) | 6.59 ms (0.99x) | 410,620 |"),
+    ("top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`",
+     "| `--enable-uniprefill --uniprefill-top-p 0.6` | 0.958 s (1.00x) | 1.220 s (1.36x) | 35.5 ms (0.70x) | 37.4 ms (0.80x) | 6.51 ms (1.00x) | 410,620 |"),
+    ("keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
+     "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | 0.956 s (1.00x) | 1.218 s (1.36x) | 35.5 ms (0.70x) | 37.3 ms (0.80x) | 6.68 ms (0.98x) | 828,574 |"),
 )
 
 # The shipped profiles' test-seed figures (their `test_seed` field): (model, the result file at
@@ -236,12 +264,10 @@ BOTH_09 = "block_sparse_estimate=both,block_sparse_top_p=0.9"
 BLOCK_SPARSE_SERVING = "block_sparse/block_sparse_serving_h100.json"
 
 FIGURES: list = [
-    *(Figure(SUMMARY, text, result, defaults_row(config, label))
-      for result, config, label, text in DEFAULTS_TABLE),
-    # Stock's three 8K prompts, the first on a cold engine.
-    Figure(SUMMARY, "7.35, 0.346 and 0.211 s", STOCK_FILE,
-           lambda result: "{:.2f}, {:.3f} and {:.3f} s".format(
-               *_row(result, "stock")["single"]["8192"]["all_s"])),
+    *(Figure(SUMMARY, text, DEFAULTS_FILE, defaults_row(config, label))
+      for config, label, text in DEFAULTS_TABLE),
+    *(Figure(SUMMARY, text, DEFAULTS_FILE, workloads_row(config, label))
+      for config, label, text in WORKLOADS_TABLE),
     # The headline, on both pages: each shipped profile on its test seed.
     *(Figure(page, text, result, headline_text(model))
       for model, result, text in TEST_SEED_HEADLINES for page in (FRONT_PAGE, SUMMARY)),
