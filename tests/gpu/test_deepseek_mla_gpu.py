@@ -22,8 +22,12 @@ In each:
 
 * the server runs the backends named above;
 * top-p 1.0 is token-identical to dense in the same engine, decode graphs on;
-* a forced keep drops (no fallback reason) and answers the same batched with another prompt;
-* chunked keeps the same counts as whole and answers alike as far as dense does;
+* a forced keep drops (no fallback reason) and answers the same batched with another prompt,
+  up to the near ties that its MoE layers' batch-dependent rounding may flip
+  (`first_unexplained_difference`; on an H100 each engine's batch parted from its single
+  requests at one step, kept counts within a block);
+* chunked keeps the same counts as whole and answers alike as far as dense does (the same
+  allowance);
 * nothing is left parked and no slot leaks.
 """
 
@@ -84,12 +88,14 @@ def test_top_p_one_is_token_identical_to_dense(results, name):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_forced_keep_drops_and_batches_alike(results, name):
-    check_forced_keep(results[name], len(PROMPT), 0.5, no_reason=True)
+    check_forced_keep(results[name], len(PROMPT), 0.5, no_reason=True,
+                      batch_rounding_block=ENGINE_KWARGS["uniprefill_block_size"])
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_chunked_keeps_and_answers_as_whole(results, backend):
-    check_chunked_as_whole(results[f"{backend}_whole"], results[f"{backend}_chunked"])
+    check_chunked_as_whole(results[f"{backend}_whole"], results[f"{backend}_chunked"],
+                           batch_rounding_block=ENGINE_KWARGS["uniprefill_block_size"])
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -98,7 +104,7 @@ def test_no_parked_state_or_slot_left(results, name):
 
 
 def _workload(engine) -> dict:
-    res = forced_keep_workload(engine, PROMPT, OTHER)
+    res = forced_keep_workload(engine, PROMPT, OTHER, top2=True)
     info = engine.get_server_info()
     prefill = info.get("prefill_attention_backend") or info["attention_backend"]
     res["backends"] = [prefill, info.get("decode_attention_backend") or prefill]

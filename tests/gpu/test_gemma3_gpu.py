@@ -59,7 +59,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_harness import (forced_keep_workload, random_model_results,  # noqa: E402
-                            random_prompts, relative_distance, serve_and_record)
+                            random_prompts, relative_distance, serve_and_record, within_block)
 
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention",
                "sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -137,10 +137,6 @@ def _digest(rec) -> list:
     return _meta(rec)["kept_digest"]
 
 
-def _within_a_block(got: list, want: list) -> bool:
-    return len(got) == len(want) and all(abs(g - w) <= BLOCK for g, w in zip(got, want))
-
-
 @pytest.mark.parametrize("name", SCORED)
 def test_forced_keep_drops_and_batches_alike(results, name):
     res = results[name]
@@ -153,7 +149,7 @@ def test_forced_keep_drops_and_batches_alike(results, name):
     if name in ROUNDS_BY_CHUNKING:
         # Batched, the other prompt's chunks start elsewhere (see the module's docstring).
         for both, one in zip(res["batch"], alone):
-            assert _within_a_block(_meta(both)["kept_tokens"], _meta(one)["kept_tokens"])
+            assert within_block(_meta(both)["kept_tokens"], _meta(one)["kept_tokens"], BLOCK)
     else:
         assert [_digest(o) for o in res["batch"]] == [_digest(o) for o in alone]
 
@@ -167,13 +163,13 @@ def test_gpu_backends_keep_what_torch_native_keeps(results, name):
     for key in ("forced", "other"):
         # A forced keep's final chunk reports the whole prompt (its parked chunks rejoined).
         if name.startswith("fi_"):
-            assert _within_a_block(_meta(res[key])["kept_tokens"],
-                                   _meta(want[key])["kept_tokens"]), key
+            assert within_block(_meta(res[key])["kept_tokens"],
+                                _meta(want[key])["kept_tokens"], BLOCK), key
         else:
             # The first drop exactly; the second within a block (see the module's docstring).
             assert _digest(res[key])[0] == _digest(want[key])[0], key
-            assert _within_a_block(_meta(res[key])["kept_tokens"],
-                                   _meta(want[key])["kept_tokens"]), key
+            assert within_block(_meta(res[key])["kept_tokens"],
+                                _meta(want[key])["kept_tokens"], BLOCK), key
 
 
 @pytest.mark.parametrize("name", ["tr_pos", "fi_pos"])

@@ -7,15 +7,19 @@ Skipped without CUDA. Run in a pytest process of its own:
 
 The model is tests/test_gpt_oss.py's reduced gpt-oss widened to GPU head sizes (4 layers,
 sliding-window (16) and full attention alternating, learned sinks, 4 experts, top-2, seeded
-random weights), in bfloat16. UniPrefill drops at the full-attention layer 1: the
+random weights), stored and run in bfloat16 (SGLang's gpt-oss builds its projections in the
+checkpoint's dtype). UniPrefill drops at the full-attention layer 1: the
 sliding-window layer 2 runs `kernels.positional_attention` over the survivors in original
 positions with the sinks, the full-attention layer 3 the backend's kernel over the stage view
 (FA3 through its page table, with the sinks), decode on Triton through CUDA graphs (SGLang
 serves gpt-oss on neither FlashInfer nor torch_native). Per engine, whole and chunked at 512:
 
 * top-p 1.0 is token-identical to dense in the same engine;
-* a forced keep drops (no fallback reason) and answers the same batched with another prompt;
-* chunked keeps the same counts as whole and answers alike as far as dense does;
+* a forced keep drops (no fallback reason) and answers the same batched with another prompt,
+  up to the near ties its MoE layers' batch-dependent rounding may flip
+  (`first_unexplained_difference`, as for DeepSeek);
+* chunked keeps the same counts as whole and answers alike as far as dense does (the same
+  allowance);
 * nothing is left parked and no slot leaks.
 """
 
@@ -55,7 +59,8 @@ PROMPT, OTHER = random_prompts(CONFIG["vocab_size"])
 
 @pytest.fixture(scope="module")
 def results():
-    yield from random_model_results(__file__, CONFIG, ENGINES, 420, "gpt_oss_engine_")
+    yield from random_model_results(__file__, CONFIG, ENGINES, 420, "gpt_oss_engine_",
+                                    dtype=ENGINE_KWARGS["dtype"])
 
 
 
@@ -66,12 +71,14 @@ def test_top_p_one_is_token_identical_to_dense(results, name):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_forced_keep_drops_and_batches_alike(results, name):
-    check_forced_keep(results[name], len(PROMPT), 0.5, no_reason=True)
+    check_forced_keep(results[name], len(PROMPT), 0.5, no_reason=True,
+                      batch_rounding_block=ENGINE_KWARGS["uniprefill_block_size"])
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p[1] for p in PAIRS])
 def test_chunked_keeps_and_answers_as_whole(results, pair):
-    check_chunked_as_whole(*(results[n] for n in pair))
+    check_chunked_as_whole(*(results[n] for n in pair),
+                           batch_rounding_block=ENGINE_KWARGS["uniprefill_block_size"])
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -82,4 +89,4 @@ def test_no_parked_state_or_slot_left(results, name):
 if __name__ == "__main__":
     name, model_dir, out_path = sys.argv[1:4]
     serve_and_record(name, ENGINES, ENGINE_KWARGS, model_dir, out_path,
-                     lambda engine: forced_keep_workload(engine, PROMPT, OTHER), 37000)
+                     lambda engine: forced_keep_workload(engine, PROMPT, OTHER, top2=True), 37000)

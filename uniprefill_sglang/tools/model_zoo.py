@@ -194,11 +194,14 @@ def prepare_model(name: str, cache_dir: str | None = None) -> str:
     return MODELS[name](cache_dir)
 
 
-def random_model(folder: str | os.PathLike, config: dict, seed: int = 0) -> str:
+def random_model(folder: str | os.PathLike, config: dict, seed: int = 0,
+                 dtype: str = "float32") -> str:
     """A Hugging Face folder holding a model built by transformers from `config` (its
-    `model_type` picks the family) with seeded random weights, in float32; the config is
-    written as given (SGLang may read keys transformers would rewrite). For tests of families
-    no PyPI package ships, or of models small enough for Triton's interpreter."""
+    `model_type` picks the family) with seeded random weights, stored in `dtype` and named so in
+    the config, which is otherwise written as given (SGLang may read keys transformers would
+    rewrite). For tests of families no PyPI package ships, or of models small enough for
+    Triton's interpreter. Store the weights in the dtype the engine runs: some SGLang models
+    build their layers in the checkpoint's dtype (gpt-oss), not the engine's."""
     import json
 
     import torch
@@ -208,8 +211,8 @@ def random_model(folder: str | os.PathLike, config: dict, seed: int = 0) -> str:
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**config)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
-    model.save_pretrained(folder, safe_serialization=True)
-    (folder / "config.json").write_text(json.dumps(dict(config, torch_dtype="float32")))
+    model.to(getattr(torch, dtype)).save_pretrained(folder, safe_serialization=True)
+    (folder / "config.json").write_text(json.dumps(dict(config, torch_dtype=dtype)))
     return str(folder)
 
 
