@@ -19,7 +19,10 @@ import pytest
 
 from benchmark_script import load_benchmark
 
-pytestmark = [pytest.mark.engine, pytest.mark.extended]
+
+def soak_run(test):
+    """A test of the soak's result: it starts a server (minutes), so CI runs it extended."""
+    return pytest.mark.engine(pytest.mark.extended(test))
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +40,14 @@ def result(smollm2_path, tmp_path_factory):
     return res
 
 
+@soak_run
 def test_no_request_failed(result):
     s = result["summary"]
     assert s["failures"] == 0, result["failures"][:10]
     assert s["served"] + s["aborted"] + s["disconnected"] == s["requests"], s
 
 
+@soak_run
 def test_the_traffic_had_every_ingredient(result):
     """A soak that dropped nothing, aborted nothing or never chunked would prove little."""
     s, cfg = result["summary"], result["config"]
@@ -56,6 +61,7 @@ def test_the_traffic_had_every_ingredient(result):
     assert cfg["concurrency"] > cfg["max_running_requests"], cfg
 
 
+@soak_run
 def test_pools_back_to_idle_nothing_parked(result):
     assert result["problems"] == [], result["problems"]
     assert result["summary"]["leaked_slots"] == 0
@@ -70,6 +76,7 @@ def test_pools_back_to_idle_nothing_parked(result):
         assert flushed["available_kv_tokens"] == flushed["max_total_num_tokens"], flushed
 
 
+@soak_run
 def test_replay_alone_gives_the_same_outputs(result):
     replay = result["replay"]
     assert replay["errors"] == [], replay["errors"][:5]
