@@ -17,6 +17,7 @@ latent pool through their stage's view. One engine chunking at 128 tokens serves
   and answers token for token as dense in the same engine;
 * a 300-token prompt (three chunks, the first two parked at layer 1): the same, the rejoined
   rows running layers 2 and 3 in pieces of 128 over the latent KV the earlier pieces wrote;
+* both prompts at the keep ratio in one batch: each keeps and answers as it does alone;
 * a follow-up whose prompt begins with the 120-token prompt, cached by a request that dropped
   (the radix tree's hit runs every layer absorbed, an extend over a cached prefix): under
   `verify` (the engine keeps the prefix checkpoint) a top-p 1.0 follow-up re-selects and a dense
@@ -124,6 +125,9 @@ def _on_an_empty_cache(engine, prompts) -> dict:
 def _v2_requests(engine) -> dict:
     out = _on_an_empty_cache(engine, PROMPTS)
     flush_cache(engine)
+    out["batch", "forced"] = engine.generate(  # both prompts dropping in one batch
+        input_ids=[LONG, SHORT], sampling_params=dict(GREEDY, custom_params=KNOBS["forced"]))
+    flush_cache(engine)
     out["short", "block-sparse"] = _generate(engine, SHORT, dict(
         KNOBS["full"], uniprefill_block_sparse_density=0.3))
     flush_cache(engine)
@@ -181,6 +185,17 @@ def test_a_keep_ratio_drops_and_answers(request, model, prompt):
     assert kept[0] == len(PROMPTS[prompt]) and kept[1] < 0.75 * kept[0], kept
     assert kept[2] < kept[1], kept
     assert len(runs[prompt, "forced"]["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_a_forced_keep_batched_keeps_and_answers_as_alone(v2):
+    """Two prompts that drop in one batch (the long one chunked) keep and answer as each does
+    alone: float32 on the CPU engine. The GPU module allows near ties that bfloat16 rounding
+    flips (tests/gpu/test_deepseek_mla_gpu.py)."""
+    for out, prompt in zip(v2["batch", "forced"], ("long", "short"), strict=True):
+        alone = v2[prompt, "forced"]
+        assert _last(out)["kept_tokens"] == _last(alone)["kept_tokens"], prompt
+        assert _last(out)["kept_tokens"][-1] < len(PROMPTS[prompt]), prompt
+        assert out["output_ids"] == alone["output_ids"], prompt
 
 
 def test_block_sparse_attention_is_refused_per_request_saying_why(v2):
