@@ -17,6 +17,8 @@ sinks), the full-attention layer 3 to the survivors through upstream's kernel (w
 and the MoE blocks of layers 1 to 3 run over the survivors.
 * a keep ratio drops (fewer kept tokens than the prompt) and answers;
 * top-p 1.0 keeps every token and answers token for token as dense in the same engine;
+* the keep ratio over this prompt and a shorter one in one batch: each keeps and answers as it
+  does alone (float32; the GPU module allows near ties that bfloat16 rounding flips);
 * nothing is left parked, no request or KV slot held (host KV lengths checked against the
   device at every drop and decode step, UNIPREFILL_CHECK_KV_LENS).
 """
@@ -58,7 +60,8 @@ ENGINE = dict(skip_tokenizer_init=True, context_length=1024, max_total_tokens=20
               enable_uniprefill=True, uniprefill_drop_layers="1", uniprefill_block_size=16,
               uniprefill_sink_tokens=16, uniprefill_last_queries=16)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
-(PROMPT,) = random_prompts(CONFIG["vocab_size"], lengths=(160,))
+PROMPT, OTHER = random_prompts(CONFIG["vocab_size"], lengths=(160, 96))
+FORCED = dict(GREEDY, custom_params={"uniprefill_keep_ratio": 0.5})
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +78,13 @@ def runs(tmp_path_factory):
     try:
         out["server"] = engine.get_server_info()
         for name, custom in (("dense", {"uniprefill": False}),
-                             ("full", {"uniprefill_top_p": 1.0}),
-                             ("forced", {"uniprefill_keep_ratio": 0.5})):
+                             ("full", {"uniprefill_top_p": 1.0})):
             flush_cache(engine)  # each request prefills the whole prompt
             out[name] = engine.generate(input_ids=PROMPT,
                                         sampling_params=dict(GREEDY, custom_params=custom))
+        for name, ids in (("forced", PROMPT), ("other", OTHER), ("batch", [PROMPT, OTHER])):
+            flush_cache(engine)
+            out[name] = engine.generate(input_ids=ids, sampling_params=FORCED)
         flush_cache(engine)  # the radix cache lets go of the last request's slots
         out["state"] = idle_state(engine)
     finally:
@@ -109,6 +114,14 @@ def test_a_keep_ratio_drops(runs):
     kept = meta["kept_tokens"]
     assert kept[0] == len(PROMPT) and kept[1] < 0.75 * kept[0], kept
     assert len(runs["forced"]["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_a_keep_ratio_batched_keeps_and_answers_as_alone(runs):
+    for out, alone in zip(runs["batch"], (runs["forced"], runs["other"]), strict=True):
+        kept = _last(alone)["kept_tokens"]
+        assert kept[1] < kept[0], kept
+        assert _last(out)["kept_tokens"] == kept
+        assert out["output_ids"] == alone["output_ids"]
 
 
 def test_nothing_left_behind(runs):
