@@ -53,6 +53,17 @@ def test_a_flipped_near_tie_after_rounding_is_explained(rng):
     assert first_unexplained_difference(a, b) is None
 
 
+def test_a_flip_after_differences_beyond_rounding_is_not_explained(rng):
+    """Runs whose log-probabilities already differ by more than rounding can (a batch reading
+    another request's KV, say) have no near tie to blame."""
+    a, step = _run(rng, 16), rng.randrange(2, 16)
+    b = _perturbed(a, rng, 1e-3)
+    b["top2"][0][1] = a["top2"][0][1] + rng.uniform(0.6, 2.0)
+    a["top2"][step] = [a["top2"][step][0], a["top2"][step][0] - 0.05]
+    b["output_ids"][step] += 1
+    assert first_unexplained_difference(a, b) == step
+
+
 def test_a_flip_at_a_clear_margin_is_not_explained(rng):
     a, step = _run(rng, 16), rng.randrange(1, 16)
     b = _perturbed(a, rng, 1e-3)
