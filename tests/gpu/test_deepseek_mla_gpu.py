@@ -24,8 +24,8 @@ In each:
 * top-p 1.0 is token-identical to dense in the same engine, decode graphs on;
 * a forced keep drops (no fallback reason) and answers the same batched with another prompt,
   up to the near ties that its MoE layers' batch-dependent rounding may flip
-  (`first_unexplained_difference`; on an H100 each engine's batch parted from its single
-  requests at one step, kept counts within a block);
+  (`first_unexplained_difference`; on an H100 the batch parted from the single requests at one
+  step in three of the four engines, kept counts within a block);
 * chunked keeps the same counts as whole and answers alike as far as dense does (the same
   allowance);
 * nothing is left parked and no slot leaks.
