@@ -161,15 +161,16 @@ def defaults_row(config: str, label: str) -> Callable[[dict], str]:
     median time to first token per length, stock's (SGLang's pick, same file) over it, and
     the share of the 131K prompt left after its last drop."""
     def derive(result: dict) -> str:
-        single, stock = _row(result, config)["single"], _row(result, "stock")["single"]
+        row, stock = _row(result, config), _row(result, "stock")["single"]
+        single = row["single"]
         times = " / ".join(f"{single[n]['ttft_s']:.3f}" for n in LENGTHS[:2]) + " / " + \
             " / ".join(f"{single[n]['ttft_s']:.2f}" for n in LENGTHS[2:])
         kept = single["131000"].get("kept_tokens")
         share = f"{kept[-1] / kept[0]:.0%}" if kept else "–"
         speedups = " / ".join(f"{stock[n]['ttft_s'] / single[n]['ttft_s']:.2f}x"
                               for n in LENGTHS)
-        return (f"| {label} | {_backends(_row(result, config)['sglang_chose'])} | {times} s | "
-                f"{speedups} | {share} |")
+        return (f"| {label} | {_backends(row['sglang_chose'])} | {times} s | {speedups} | "
+                f"{share} |")
     return derive
 
 
@@ -197,29 +198,37 @@ def workloads_row(config: str, label: str) -> Callable[[dict], str]:
     return derive
 
 
-# The summary's tables, row by row: (configuration, its label, the row as the summary prints it).
+# The summary's label of each configuration's row.
+LABELS = {
+    "stock": "stock, no backend flag",
+    "stock_flashinfer": "stock, `--attention-backend flashinfer`",
+    "defaults": "`--enable-uniprefill`",
+    "top_p": "`--enable-uniprefill --uniprefill-top-p 0.6`",
+    "keep": "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
+}
+# The summary's tables, row by row: (configuration, the row as the summary prints it).
 DEFAULTS_TABLE = (
-    ("stock", "stock, no backend flag",
+    ("stock",
      "| stock, no backend flag | fa3 | 0.222 / 1.207 / 3.34 / 10.41 s | 1.00x / 1.00x / 1.00x / 1.00x | – |"),
-    ("stock_flashinfer", "stock, `--attention-backend flashinfer`",
+    ("stock_flashinfer",
      "| stock, `--attention-backend flashinfer` | flashinfer | 0.227 / 1.485 / 4.50 / 15.18 s | 0.98x / 0.81x / 0.74x / 0.69x | – |"),
-    ("defaults", "`--enable-uniprefill`",
+    ("defaults",
      "| `--enable-uniprefill` | fa3 / flashinfer | 0.225 / 1.241 / 3.36 / 10.26 s | 0.99x / 0.97x / 0.99x / 1.01x | 95% |"),
-    ("top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`",
+    ("top_p",
      "| `--enable-uniprefill --uniprefill-top-p 0.6` | fa3 / flashinfer | 0.113 / 0.501 / 1.28 / 3.75 s | 1.96x / 2.41x / 2.60x / 2.77x | 5% |"),
-    ("keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
+    ("keep",
      "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | fa3 / flashinfer | 0.122 / 0.547 / 1.39 / 4.03 s | 1.81x / 2.21x / 2.40x / 2.58x | 17% |"),
 )
 WORKLOADS_TABLE = (
-    ("stock", "stock, no backend flag",
+    ("stock",
      "| stock, no backend flag | 0.958 s | 1.659 s | 25.0 ms | 30.0 ms | 6.53 ms | 410,620 |"),
-    ("stock_flashinfer", "stock, `--attention-backend flashinfer`",
+    ("stock_flashinfer",
      "| stock, `--attention-backend flashinfer` | 0.995 s (0.96x) | 1.761 s (0.94x) | 33.5 ms (0.75x) | 34.8 ms (0.86x) | 6.57 ms (1.00x) | 410,620 |"),
-    ("defaults", "`--enable-uniprefill`",
+    ("defaults",
      "| `--enable-uniprefill` | 0.973 s (0.99x) | 1.770 s (0.94x) | 30.9 ms (0.81x) | 31.5 ms (0.95x) | 6.59 ms (0.99x) | 410,620 |"),
-    ("top_p", "`--enable-uniprefill --uniprefill-top-p 0.6`",
+    ("top_p",
      "| `--enable-uniprefill --uniprefill-top-p 0.6` | 0.958 s (1.00x) | 1.220 s (1.36x) | 35.5 ms (0.70x) | 37.4 ms (0.80x) | 6.51 ms (1.00x) | 410,620 |"),
-    ("keep", "`--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8`",
+    ("keep",
      "| `--enable-uniprefill --uniprefill-keep-ratio 0.5,0.8` | 0.956 s (1.00x) | 1.218 s (1.36x) | 35.5 ms (0.70x) | 37.3 ms (0.80x) | 6.68 ms (0.98x) | 828,574 |"),
 )
 
@@ -264,10 +273,10 @@ BOTH_09 = "block_sparse_estimate=both,block_sparse_top_p=0.9"
 BLOCK_SPARSE_SERVING = "block_sparse/block_sparse_serving_h100.json"
 
 FIGURES: list = [
-    *(Figure(SUMMARY, text, DEFAULTS_FILE, defaults_row(config, label))
-      for config, label, text in DEFAULTS_TABLE),
-    *(Figure(SUMMARY, text, DEFAULTS_FILE, workloads_row(config, label))
-      for config, label, text in WORKLOADS_TABLE),
+    *(Figure(SUMMARY, text, DEFAULTS_FILE, defaults_row(config, LABELS[config]))
+      for config, text in DEFAULTS_TABLE),
+    *(Figure(SUMMARY, text, DEFAULTS_FILE, workloads_row(config, LABELS[config]))
+      for config, text in WORKLOADS_TABLE),
     # The headline, on both pages: each shipped profile on its test seed.
     *(Figure(page, text, result, headline_text(model))
       for model, result, text in TEST_SEED_HEADLINES for page in (FRONT_PAGE, SUMMARY)),
